@@ -1,0 +1,103 @@
+"""The `eagle3` command: one subcommand per pipeline stage (dump -> vocab -> train -> export -> eval)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from eagle3.contract import ContractError, parse_indices
+
+EXAMPLE = "example"
+
+
+def _add_dump(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target model directory, or 'example' (SmolLM2-135M-Instruct)")
+    p.add_argument("--data", nargs="+", required=True,
+                   help="conversation files (.jsonl/.json/.parquet; ShareGPT or messages), or 'example' (ShareGPT)")
+    p.add_argument("--out", required=True, help="output directory (shards + manifest.json); rerun to resume")
+    p.add_argument("--preset", default=None,
+                   help="configs/targets preset (e.g. kimi-k2.5): checks the target and supplies defaults")
+    p.add_argument("--layers", type=parse_indices, default=None,
+                   help="HF hidden_states indices to capture, e.g. 3,31,59 (default: preset, else 3, L//2+1, L-2)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (world = dp x tp under torchrun)")
+    p.add_argument("--max-length", type=int, default=None, help="truncate conversations (default 2048)")
+    p.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per forward")
+    p.add_argument("--num-samples", type=int, default=None, help="dump at most this many conversations")
+    p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (model and stored dtype; default bf16)")
+    p.add_argument("--shard-size-mb", type=float, default=1024.0)
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--stop-after-shards", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def resolve_example(target: str, data: list[str]) -> tuple[str, list[str]]:
+    """'example' stands for the embedded default target/data; anything else is a path."""
+    if target == EXAMPLE:
+        from eagle3.dump.example import example_target_dir
+        target = example_target_dir()
+    if data == [EXAMPLE]:
+        from eagle3.dump.conversations import example_sharegpt_jsonl
+        data = [example_sharegpt_jsonl()[0]]
+    return target, data
+
+
+def cmd_dump(a: argparse.Namespace) -> None:
+    from eagle3 import presets
+    from eagle3.dump.job import DumpConfig, run_dump
+    from eagle3.dump.targets import read_config, text_config_dict
+    target, data = resolve_example(a.target, a.data)
+    defaults = {"layers": None, "tp": 1, "max_length": 2048, "dtype": "bf16"}
+    if a.preset:
+        preset = presets.load("targets", a.preset)
+        cfg = read_config(target)
+        presets.check_target_expectations(a.preset, preset, text_config_dict(cfg), cfg.get("model_type", ""))
+        defaults.update(preset.get("dump", {}))
+    opt = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in defaults.items()}
+    run_dump(DumpConfig(target=target, data=data, out=a.out, layers=opt["layers"], tp=opt["tp"],
+                        max_length=opt["max_length"], batch_tokens=a.batch_tokens, num_samples=a.num_samples,
+                        dtype=opt["dtype"],
+                        shard_size_mb=a.shard_size_mb, device=a.device, progress=not a.no_progress,
+                        stop_after_shards=a.stop_after_shards))
+
+
+def cmd_example_target(a: argparse.Namespace) -> None:
+    from eagle3.dump.example import example_target_dir
+    print(example_target_dir())
+
+
+def cmd_quickstart(a: argparse.Namespace) -> None:
+    """The main job on the embedded default. Today: the dump stage of the pipeline on the example."""
+    from eagle3.dump.job import DumpConfig, run_dump
+    target, data = resolve_example(EXAMPLE, [EXAMPLE])
+    run_dump(DumpConfig(target=target, data=data, out=f"{a.out}/dump", num_samples=a.num_samples,
+                        max_length=a.max_length, dtype="fp32" if a.device == "cpu" else "bf16", device=a.device))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="eagle3", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("dump", help="capture the target's hidden states into sharded safetensors")
+    _add_dump(p)
+    p.set_defaults(fn=cmd_dump)
+    p = sub.add_parser("example-target", help="convert (once) and print the example target directory")
+    p.set_defaults(fn=cmd_example_target)
+    p = sub.add_parser("quickstart", help="run the pipeline on the embedded default (SmolLM2-135M + ShareGPT)")
+    p.add_argument("--out", default="runs/quickstart")
+    p.add_argument("--num-samples", type=int, default=256)
+    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--device", default=None)
+    p.set_defaults(fn=cmd_quickstart)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except (ContractError, ValueError, FileNotFoundError) as e:
+        print(f"eagle3 {args.cmd}: error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

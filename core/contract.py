@@ -1,0 +1,197 @@
+"""The capture contract: which hidden states a drafter is trained on, named ONE way, checked at every stage.
+
+A drafter trained on one set of hidden states and served with another silently loses acceptance. So the
+indices live here and nowhere else, every artefact (dump manifest, checkpoint, export) records them, and every
+stage boundary calls `require_same_capture` / `validate_indices` from this module.
+
+Naming: the HF index k = `model(..., output_hidden_states=True).hidden_states[k]`. k = 0 is the embedding output,
+k = i + 1 is the output of decoder layer i (the full, un-normalised residual stream), k = L is the post-final-norm
+state. A drafter may capture 0 < k < L: SGLang captures neither the embedding nor the last layer's output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Sequence
+
+DUMP_FORMAT = "eagle3-dump"
+DUMP_FORMAT_VERSION = 1
+STANDARDIZE_VERSION = "v1"
+
+# Tensor names inside a dump shard (format v1).
+INPUT_IDS = "input_ids"
+LOSS_MASK = "loss_mask"
+FINAL_HIDDEN = "final_hidden"
+SAMPLE_OFFSETS = "sample_offsets"
+SAMPLE_INDEX = "sample_index"
+HIDDEN_PREFIX = "hidden_states."
+
+
+class ContractError(ValueError):
+    """Two artefacts disagree about what was captured, or indices break the contract. Always fatal."""
+
+
+def hidden_state_key(k: int) -> str:
+    return f"{HIDDEN_PREFIX}{k}"
+
+
+def default_capture_indices(num_layers: int) -> list[int]:
+    """Outputs of decoder layers (2, L//2, L-3), i.e. HF indices (3, L//2 + 1, L - 2) -- Kimi-K2.5 (L=61): [3, 31, 59]."""
+    return sorted({3, num_layers // 2 + 1, num_layers - 2})
+
+
+def validate_indices(indices: Iterable[int], num_layers: int) -> list[int]:
+    """Return the indices sorted ascending (the concatenation order SGLang uses), or raise ContractError."""
+    idx = list(indices)
+    if not idx:
+        raise ContractError("no capture indices given")
+    if any(not isinstance(k, int) or isinstance(k, bool) for k in idx):
+        raise ContractError(f"capture indices must be integers, got {idx!r}")
+    if len(set(idx)) != len(idx):
+        raise ContractError(f"capture indices repeat: {idx}")
+    bad = [k for k in idx if not 0 < k < num_layers]
+    if bad:
+        raise ContractError(
+            f"capture indices {bad} out of range for a {num_layers}-layer target: HF indices must satisfy "
+            f"0 < k < {num_layers} (k=0 is the embedding, k={num_layers} the post-norm output; SGLang captures neither)"
+        )
+    return sorted(idx)
+
+
+def parse_indices(text: str) -> list[int]:
+    """'3,31,59' -> [3, 31, 59] (order as given; validate_indices sorts)."""
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ContractError(f"--layers expects comma-separated integers (HF hidden_states indices), got {text!r}")
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def sha256_bytes(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+# Keys of a transformers config that describe where/how it was saved, not the model.
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation",
+                         "_attn_implementation_autoset", "quantization_config", "tp_plan", "pp_plan",
+                         "base_model_tp_plan", "base_model_pp_plan", "base_model_ep_plan", "_commit_hash",
+                         "use_cache", "output_hidden_states", "return_dict", "_experts_implementation"}
+
+
+def config_hash(config_dict: dict) -> str:
+    """Hash of the architecture-defining part of a target config (stable across save location and dtype)."""
+    def clean(d):
+        if isinstance(d, dict):
+            return {k: clean(v) for k, v in d.items() if k not in _VOLATILE_CONFIG_KEYS}
+        return d
+    return sha256_bytes(canonical_json(clean(config_dict)))
+
+
+@dataclass
+class TargetInfo:
+    """What a stage needs to know about the target, as recorded in every artefact."""
+    path: str
+    architecture: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    config_sha256: str
+    model_type: str = ""
+
+
+@dataclass
+class TokenizerInfo:
+    sha256: str
+    chat_template_sha256: str
+
+
+@dataclass
+class CaptureSpec:
+    """The contract itself: the HF indices of the residual-stream states the drafter consumes, ascending."""
+    hidden_state_indices: list[int]
+    convention: str = "hf_hidden_states_index"
+
+    def keys(self) -> list[str]:
+        return [hidden_state_key(k) for k in self.hidden_state_indices]
+
+
+@dataclass
+class ShardRecord:
+    file: str
+    samples: int
+    tokens: int
+    bytes: int
+    sha256: str
+
+
+@dataclass
+class DumpManifest:
+    target: TargetInfo
+    capture: CaptureSpec
+    tokenizer: TokenizerInfo
+    dtype: str
+    max_length: int | None
+    tp_size: int
+    dp_size: int
+    shards: list[ShardRecord] = field(default_factory=list)
+    skipped: dict[str, int] = field(default_factory=dict)
+    data_files: list[str] = field(default_factory=list)
+    format: str = DUMP_FORMAT
+    format_version: int = DUMP_FORMAT_VERSION
+
+    @property
+    def totals(self) -> dict:
+        return {"shards": len(self.shards), "samples": sum(s.samples for s in self.shards),
+                "tokens": sum(s.tokens for s in self.shards), "bytes": sum(s.bytes for s in self.shards),
+                "skipped": sum(self.skipped.values())}
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["totals"] = self.totals
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "manifest") -> "DumpManifest":
+        if d.get("format") != DUMP_FORMAT:
+            raise ContractError(f"{source}: not an {DUMP_FORMAT} manifest (format={d.get('format')!r})")
+        if d.get("format_version") != DUMP_FORMAT_VERSION:
+            raise ContractError(f"{source}: dump format version {d.get('format_version')} is not supported "
+                                f"(this eagle3 reads version {DUMP_FORMAT_VERSION})")
+        try:
+            m = cls(target=TargetInfo(**d["target"]), capture=CaptureSpec(**d["capture"]),
+                    tokenizer=TokenizerInfo(**d["tokenizer"]), dtype=d["dtype"], max_length=d["max_length"],
+                    tp_size=d["tp_size"], dp_size=d["dp_size"], shards=[ShardRecord(**s) for s in d["shards"]],
+                    skipped=d.get("skipped", {}), data_files=d.get("data_files", []))
+        except (KeyError, TypeError) as e:
+            raise ContractError(f"{source}: malformed manifest ({e})") from e
+        validate_indices(m.capture.hidden_state_indices, m.target.num_hidden_layers)
+        if m.capture.hidden_state_indices != sorted(m.capture.hidden_state_indices):
+            raise ContractError(f"{source}: capture indices are not ascending: {m.capture.hidden_state_indices}")
+        return m
+
+    def identity(self) -> dict:
+        """What two dumps must share to be mixed, and a run resumed into the same OUT must match."""
+        return {"target.config_sha256": self.target.config_sha256,
+                "target.architecture": self.target.architecture,
+                "target.hidden_size": self.target.hidden_size,
+                "target.vocab_size": self.target.vocab_size,
+                "capture.hidden_state_indices": list(self.capture.hidden_state_indices),
+                "tokenizer.sha256": self.tokenizer.sha256,
+                "tokenizer.chat_template_sha256": self.tokenizer.chat_template_sha256}
+
+
+def require_same_capture(a: dict, b: dict, what_a: str, what_b: str) -> None:
+    """Compare two identity dicts (see DumpManifest.identity) and fail loudly, naming every difference."""
+    diffs = [f"  {k}: {a.get(k)!r} ({what_a}) != {b.get(k)!r} ({what_b})"
+             for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if diffs:
+        raise ContractError(f"capture contract mismatch between {what_a} and {what_b}:\n" + "\n".join(diffs))
+
+
+def describe(indices: Sequence[int]) -> str:
+    return ", ".join(f"HF {k} (output of layer {k - 1})" for k in indices)

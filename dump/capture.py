@@ -1,0 +1,63 @@
+"""The capture patch: forward hooks on the decoder layers record the residual stream at the contract's indices.
+
+HF index k is the output of decoder layer k-1; the post-final-norm state (what the teacher's lm_head reads) is the
+output of the backbone's `norm`. Hooks keep only what the contract names, instead of all `output_hidden_states`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3.contract import ContractError
+from eagle3.dump.targets import Backbone
+
+
+def _tensor_of(output):
+    t = output[0] if isinstance(output, (tuple, list)) else output
+    # A TP-sharded DTensor would be a silent 1/tp slice after to_local(); the layer outputs must be full replicas.
+    if hasattr(t, "full_tensor") and hasattr(t, "placements"):
+        t = t.full_tensor()
+    return t
+
+
+class HiddenStateCapture:
+    """`with HiddenStateCapture(backbone, [3, 31, 59]) as cap: backbone.module(...); cap.states` -> {k: [B,T,H], 'final': ...}"""
+
+    def __init__(self, backbone: Backbone, indices: list[int]):
+        self.backbone = backbone
+        self.indices = list(indices)
+        self.states: dict = {}
+        self._handles = []
+
+    def __enter__(self):
+        for k in self.indices:
+            self._handles.append(self.backbone.layers[k - 1].register_forward_hook(self._hook(k)))
+        self._handles.append(self.backbone.norm.register_forward_hook(self._hook("final")))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, key):
+        def hook(module, args, output):
+            self.states[key] = _tensor_of(output)
+        return hook
+
+    @torch.no_grad()
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+        self.states = {}
+        self.backbone.module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        missing = [k for k in self.indices + ["final"] if k not in self.states]
+        if missing:
+            raise ContractError(f"capture hooks did not fire for {missing}")
+        return self.states
+
+
+def verify_full_width(states: dict, hidden_size: int, batch_shape: tuple) -> None:
+    """Stop before writing anything if a captured tensor is not the full residual stream (e.g. a TP shard)."""
+    for k, t in states.items():
+        if tuple(t.shape) != (*batch_shape, hidden_size):
+            raise ContractError(f"captured tensor {k} has shape {tuple(t.shape)}, expected {(*batch_shape, hidden_size)}: "
+                                "not the full hidden size (a tensor-parallel shard?); refusing to dump")

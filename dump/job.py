@@ -1,0 +1,276 @@
+"""The dump job: conversations -> target forward with the capture patch -> sharded safetensors + manifest.
+
+World = DP x TP. Ranks [d*tp, (d+1)*tp) form TP group d (transformers shards the replica over them); TP group d
+dumps shards j with j % dp == d, and only its first rank writes. The shard plan depends on the data and the
+arguments only (never on dp, tp or batch size), so reruns, resumed runs and runs on other world sizes produce the
+same dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from eagle3 import contract as C
+from eagle3 import dist as D
+from eagle3.contract import CaptureSpec, ContractError, DumpManifest
+from eagle3.dump import shards as S
+from eagle3.dump import targets as T
+from eagle3.dump.capture import HiddenStateCapture, verify_full_width
+
+MANIFEST = "manifest.json"
+DUMP_CONFIG = "dump_config.json"
+
+
+@dataclass
+class DumpConfig:
+    target: str
+    data: list[str]
+    out: str
+    layers: list[int] | None = None      # HF hidden_states indices; None -> contract default for the target
+    tp: int = 1
+    max_length: int = 2048
+    batch_tokens: int = 16384            # padded tokens per forward
+    num_samples: int | None = None
+    dtype: str = "bf16"
+    shard_size_mb: float = 1024.0
+    device: str | None = None            # default: cuda if available, else cpu
+    progress: bool = True
+    stop_after_shards: int | None = None  # testing aid: exit after writing this many shards (simulates a kill)
+
+
+@dataclass
+class Plan:
+    shards: list[list[int]] = field(default_factory=list)  # per shard: positions into the sample list, in order
+
+
+def plan_shards(lengths: list[int], bytes_per_token: int, shard_bytes: int) -> list[list[int]]:
+    """Consecutive samples, each shard under shard_bytes (a single larger sample gets its own shard)."""
+    shards, cur, cur_bytes = [], [], 0
+    for i, n in enumerate(lengths):
+        b = n * bytes_per_token
+        if cur and cur_bytes + b > shard_bytes:
+            shards.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(i)
+        cur_bytes += b
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def plan_batches(lengths: dict[int, int], batch_tokens: int) -> list[list[int]]:
+    """Length-grouped batches: longest first, each batch's padded size (B * max_len) within batch_tokens."""
+    order = sorted(lengths, key=lambda i: (-lengths[i], i))
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[cur[0]] > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right padding: with a causal mask the real tokens never see the pads, so captured values don't change."""
+    n = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), n), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = torch.as_tensor(s)
+        mask[b, : len(s)] = 1
+    return ids, mask
+
+
+class _Writer:
+    """Writes finished shards on a background thread so the next shard's forwards overlap the disk."""
+
+    def __init__(self, out: str, indices: list[int], meta: dict):
+        self.out, self.indices, self.meta = out, indices, meta
+        self.q: queue.Queue = queue.Queue(maxsize=1)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        while (item := self.q.get()) is not None:
+            if self.error is None:
+                try:
+                    S.write_shard(self.out, item[0], item[1], self.indices, self.meta)
+                except BaseException as e:  # surfaced on the main thread by put()/close()
+                    self.error = e
+
+    def put(self, j: int, samples: list[dict]):
+        self._raise()
+        self.q.put((j, samples))
+
+    def close(self):
+        self.q.put(None)
+        self.thread.join()
+        self._raise()
+
+    def _raise(self):
+        if self.error is not None:
+            raise RuntimeError(f"writing a shard failed: {self.error}") from self.error
+
+
+def _check_out_dir(out: str, identity: dict, plan_hash: str, cfg: DumpConfig) -> str | None:
+    """Rank 0: make OUT, refuse a different dump already there. Returns an error message or None."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".write-probe-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        return f"--out {out} is not writable: {e}"
+    path = os.path.join(out, DUMP_CONFIG)
+    record = {"identity": identity, "plan_sha256": plan_hash,
+              "args": {"data": cfg.data, "max_length": cfg.max_length, "num_samples": cfg.num_samples,
+                       "dtype": cfg.dtype, "shard_size_mb": cfg.shard_size_mb}}
+    if os.path.isfile(path):
+        with open(path) as f:
+            old = json.load(f)
+        try:
+            C.require_same_capture(old["identity"], identity, f"the dump already in {out}", "this run")
+        except ContractError as e:
+            return f"{e}\nrefusing to mix them: use a new --out"
+        if old.get("plan_sha256") != plan_hash:
+            return (f"{out} holds a dump of different data or arguments ({old.get('args')}); "
+                    f"resuming needs the same --data/--max-length/--num-samples/--dtype/--shard-size-mb, "
+                    "or use a new --out")
+        return None
+    S.atomic_write_text(path, json.dumps(record, indent=1))
+    return None
+
+
+def _fail_together(msg: str | None):
+    """Every rank raises the same error (rank 0 decided), so no rank hangs in a collective."""
+    msg = D.broadcast_object(msg)
+    if msg:
+        raise ContractError(msg)
+
+
+def run_dump(cfg: DumpConfig) -> DumpManifest:
+    from eagle3.dump.conversations import load_samples
+
+    # Everything that can be refused is refused before the model loads.
+    if cfg.dtype not in T.DTYPES:
+        raise ValueError(f"--dtype {cfg.dtype!r}: choose one of {sorted(T.DTYPES)}")
+    dtype = T.DTYPES[cfg.dtype]
+    info = T.target_info(cfg.target)
+    indices = C.validate_indices(cfg.layers if cfg.layers else C.default_capture_indices(info.num_hidden_layers),
+                                 info.num_hidden_layers)
+    T.check_tp_divisibility(T.read_config(cfg.target), cfg.tp, f"{cfg.target}/config.json")
+    world = D.init_world(cfg.device)
+    if world.world_size % cfg.tp:
+        raise ValueError(f"--tp {cfg.tp} does not divide the world size {world.world_size}")
+    tp, dp = cfg.tp, world.world_size // cfg.tp
+    dp_rank, tp_rank = world.rank // tp, world.rank % tp
+    writer_rank = tp_rank == 0
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if world.is_main else (lambda *a: None)
+    tokenizer = T.load_tokenizer(cfg.target)
+    tok_info = T.tokenizer_info(tokenizer)
+    manifest = DumpManifest(target=info, capture=CaptureSpec(hidden_state_indices=indices), tokenizer=tok_info,
+                            dtype=str(dtype).removeprefix("torch."), max_length=cfg.max_length, tp_size=tp,
+                            dp_size=dp, data_files=[os.path.abspath(p) for p in cfg.data])
+    log(f"[dump] target {info.architecture} L={info.num_hidden_layers} H={info.hidden_size}; capturing "
+        f"{C.describe(indices)} + post-norm final state; world {world.world_size} = dp {dp} x tp {tp}")
+
+    samples, skipped = load_samples(cfg.data, tokenizer, max_length=cfg.max_length, num_samples=cfg.num_samples,
+                                    progress=cfg.progress and world.is_main)
+    manifest.skipped = dict(sorted(skipped.items()))
+    if not samples:
+        raise ValueError(f"no usable conversations in {cfg.data} (skipped: {dict(skipped)})")
+    if info.vocab_size >= 2**31:
+        raise ValueError("vocab does not fit the int32 input_ids of shard format v1")
+    bytes_per_token = (len(indices) + 1) * info.hidden_size * dtype.itemsize + 4 + 1
+    lengths = [len(s.input_ids) for s in samples]
+    plan = plan_shards(lengths, bytes_per_token, int(cfg.shard_size_mb * 2**20))
+    plan_hash = C.sha256_bytes(C.canonical_json(
+        [[samples[i].sample_index for i in sh] for sh in plan] + [lengths, cfg.dtype]))
+
+    _fail_together(_check_out_dir(cfg.out, manifest.identity(), plan_hash, cfg) if world.is_main else None)
+    finished = D.broadcast_object({j for j in range(len(plan)) if S.finished_shard(cfg.out, j)}
+                                  if world.is_main else None)
+    mine = [j for j in range(len(plan)) if j % dp == dp_rank]
+    todo = [j for j in mine if j not in finished]
+    log(f"[dump] {len(samples)} samples, {sum(lengths)} tokens in {len(plan)} shards; "
+        f"{len(finished)} already finished in {cfg.out}")
+
+    if todo:
+        model = T.load_target(cfg.target, dtype, world.device, tp_size=tp, dp_size=dp)
+        backbone = T.find_backbone(model, info.num_hidden_layers)
+        device = next(backbone.module.parameters()).device
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        with HiddenStateCapture(backbone, indices) as cap:
+            probe = torch.as_tensor([samples[0].input_ids[:8]], device=device)
+            verify_full_width(cap.run(probe, torch.ones_like(probe)), info.hidden_size, tuple(probe.shape))
+            meta = {"format": C.DUMP_FORMAT, "format_version": C.DUMP_FORMAT_VERSION,
+                    "hidden_state_indices": indices, "target_config_sha256": info.config_sha256}
+            writer = _Writer(cfg.out, indices, meta) if writer_rank else None
+            bar = tqdm(total=sum(lengths[i] for j in mine for i in plan[j]), unit="tok", unit_scale=True,
+                       desc=f"dump dp{dp_rank}", disable=not (cfg.progress and world.is_main), dynamic_ncols=True)
+            bar.update(sum(lengths[i] for j in mine if j in finished for i in plan[j]))
+            t0, done_tokens = time.perf_counter(), 0
+            for n_written, j in enumerate(todo):
+                if cfg.stop_after_shards is not None and n_written >= cfg.stop_after_shards:
+                    break
+                collected = []
+                for batch in plan_batches({i: lengths[i] for i in plan[j]}, cfg.batch_tokens):
+                    ids, mask = pad_batch([samples[i].input_ids for i in batch], pad_id)
+                    states = cap.run(ids.to(device), mask.to(device))
+                    host = {k: v.to("cpu") for k, v in states.items()} if writer_rank else None
+                    for b, i in enumerate(batch):
+                        n = lengths[i]
+                        if writer_rank:
+                            rec = {k: host[k][b, :n] for k in indices}
+                            rec.update(final=host["final"][b, :n], sample_index=samples[i].sample_index,
+                                       input_ids=samples[i].input_ids, loss_mask=samples[i].loss_mask)
+                            collected.append(rec)
+                    done_tokens += sum(lengths[i] for i in batch)
+                    bar.update(sum(lengths[i] for i in batch))
+                    bar.set_postfix(tok_s=f"{done_tokens / (time.perf_counter() - t0):,.0f}")
+                if writer_rank:
+                    collected.sort(key=lambda r: r["sample_index"])
+                    writer.put(j, collected)
+            if writer:
+                writer.close()
+            bar.close()
+        if cfg.stop_after_shards is not None and len(todo) > cfg.stop_after_shards:
+            D.barrier()
+            raise SystemExit(f"stopped after {cfg.stop_after_shards} shards (--stop-after-shards)")
+
+    D.barrier()
+    if world.is_main:
+        records = [S.finished_shard(cfg.out, j) for j in range(len(plan))]
+        missing = [S.shard_name(j) for j, r in enumerate(records) if r is None]
+        if missing:
+            raise RuntimeError(f"{cfg.out}: shards {missing} were not written")
+        manifest.shards = records
+        S.atomic_write_text(os.path.join(cfg.out, MANIFEST), json.dumps(manifest.to_dict(), indent=1))
+        tot = manifest.totals
+        log(f"[dump] done: {tot['samples']} samples, {tot['tokens']} tokens, {tot['bytes'] / 2**20:,.1f} MiB in "
+            f"{tot['shards']} shards ({bytes_per_token} B/token) -> {cfg.out}/{MANIFEST}; "
+            f"skipped {tot['skipped']}: {manifest.skipped or 'none'}")
+    D.barrier()
+    return manifest
+
+
+def read_manifest(out: str) -> DumpManifest:
+    path = os.path.join(out, MANIFEST)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{out}: no {MANIFEST} (not a finished eagle3 dump)")
+    with open(path) as f:
+        return DumpManifest.from_dict(json.load(f), source=path)

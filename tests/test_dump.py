@@ -1,0 +1,260 @@
+"""The dump stage against references: a plain forward's output_hidden_states, a single-process run, an
+uninterrupted run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from eagle3 import contract as C
+from eagle3.dump.job import DumpConfig, read_manifest, run_dump
+from eagle3.dump.shards import file_sha256
+
+from tiny import reference_hidden_states
+
+WORDS = "the quick brown fox jumps over lazy dogs while seven wizards quietly hum a song about code".split()
+
+
+def _text(rng, n):
+    return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=rng))
+
+
+def write_conversations(path, n=12, seed=0, extra_lines=()):
+    """ShareGPT-style jsonl with varied lengths, a system turn now and then, and multi-turn chats."""
+    rng = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            conv = [{"from": "system", "value": _text(rng, 3)}] if i % 3 == 0 else []
+            for _ in range(1 + i % 2):
+                conv += [{"from": "human", "value": _text(rng, 2 + int(torch.randint(0, 12, (1,), generator=rng)))},
+                         {"from": "gpt", "value": _text(rng, 2 + int(torch.randint(0, 20, (1,), generator=rng)))}]
+            f.write(json.dumps({"conversations": conv}) + "\n")
+        for line in extra_lines:
+            f.write(line + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def convs(tmp_path_factory):
+    return write_conversations(tmp_path_factory.mktemp("data") / "chats.jsonl")
+
+
+def read_dump(out):
+    """{sample_index: {name: tensor}} over all shards of a dump, plus the manifest."""
+    m = read_manifest(out)
+    samples = {}
+    for rec in m.shards:
+        with safe_open(os.path.join(out, rec.file), "pt") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}
+            meta = f.metadata()
+        assert json.loads(meta["eagle3"])["hidden_state_indices"] == m.capture.hidden_state_indices
+        off = t[C.SAMPLE_OFFSETS]
+        for n, si in enumerate(t[C.SAMPLE_INDEX].tolist()):
+            a, b = int(off[n]), int(off[n + 1])
+            samples[si] = {k: v[a:b] for k, v in t.items() if k not in (C.SAMPLE_OFFSETS, C.SAMPLE_INDEX)}
+    return samples, m
+
+
+def dump(target, data, out, **kw):
+    kw.setdefault("dtype", "fp32")
+    kw.setdefault("progress", False)
+    return run_dump(DumpConfig(target=target, data=[data], out=str(out), **kw))
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3", "kimi_k25"])
+def test_captured_states_equal_output_hidden_states(tiny_targets, convs, tmp_path, kind):
+    """Every captured tensor of the (batched, right-padded) dump equals hidden_states[k] of a plain per-sample forward."""
+    target = tiny_targets[kind]
+    layers = [4, 1, 3]  # out of order on purpose: stored ascending
+    dump(target, convs, tmp_path / "d", layers=layers, batch_tokens=256)
+    samples, m = read_dump(tmp_path / "d")
+    assert m.capture.hidden_state_indices == [1, 3, 4]
+    assert len(samples) == 12 and m.totals["samples"] == 12
+    lengths = {len(s[C.INPUT_IDS]) for s in samples.values()}
+    assert len(lengths) > 3, "want varied lengths so batches are padded"
+    for si, s in samples.items():
+        ids = s[C.INPUT_IDS].long()[None]
+        hs, logits, model = reference_hidden_states(target, ids)
+        for k in (1, 3, 4):
+            torch.testing.assert_close(s[C.hidden_state_key(k)], hs[k][0], atol=1e-5, rtol=1e-5)
+        # the teacher's input: post-final-norm state, the one the target's lm_head turns into logits
+        torch.testing.assert_close(s[C.FINAL_HIDDEN], hs[-1][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model.lm_head(s[C.FINAL_HIDDEN]), logits[0], atol=1e-4, rtol=1e-4)
+        assert s[C.LOSS_MASK].dtype == torch.uint8 and s[C.INPUT_IDS].dtype == torch.int32
+        assert 0 < int(s[C.LOSS_MASK].sum()) < len(s[C.LOSS_MASK])
+
+
+def test_bf16_dump_within_dtype_tolerance(tiny_targets, convs, tmp_path):
+    target = tiny_targets["llama"]
+    dump(target, convs, tmp_path / "d", dtype="bf16", num_samples=4)
+    samples, m = read_dump(tmp_path / "d")
+    assert m.dtype == "bfloat16"
+    for s in samples.values():
+        hs, _, _ = reference_hidden_states(target, s[C.INPUT_IDS].long()[None])
+        for k in m.capture.hidden_state_indices:
+            assert s[C.hidden_state_key(k)].dtype == torch.bfloat16
+            torch.testing.assert_close(s[C.hidden_state_key(k)].float(), hs[k][0], atol=3e-2, rtol=3e-2)
+
+
+def test_batched_equals_per_sample_dump(tiny_targets, convs, tmp_path):
+    target = tiny_targets["deepseek_v3"]
+    dump(target, convs, tmp_path / "batched", batch_tokens=512)
+    dump(target, convs, tmp_path / "single", batch_tokens=1)  # one sample per forward, no padding
+    a, _ = read_dump(tmp_path / "batched")
+    b, _ = read_dump(tmp_path / "single")
+    assert a.keys() == b.keys()
+    for si in a:
+        for k in a[si]:
+            torch.testing.assert_close(a[si][k], b[si][k], atol=1e-5, rtol=1e-5)
+
+
+def test_manifest_totals_and_checksums(tiny_targets, convs, tmp_path):
+    target = tiny_targets["llama"]
+    m = dump(target, convs, tmp_path / "d", shard_size_mb=0.02)
+    assert len(m.shards) > 2
+    on_disk = read_manifest(str(tmp_path / "d"))
+    assert on_disk.to_dict() == m.to_dict()
+    samples, _ = read_dump(tmp_path / "d")
+    assert m.totals["tokens"] == sum(len(s[C.INPUT_IDS]) for s in samples.values())
+    assert m.totals["samples"] == len(samples)
+    for rec in m.shards:
+        path = tmp_path / "d" / rec.file
+        assert rec.sha256 == file_sha256(str(path)) and rec.bytes == path.stat().st_size
+    assert m.target.num_hidden_layers == 6 and m.target.hidden_size == 64
+    assert m.capture.hidden_state_indices == C.default_capture_indices(6)
+    # sample_index is the position in the source, in order
+    assert sorted(samples) == list(range(12))
+
+
+def test_kill_and_resume_gives_the_same_shards(tiny_targets, convs, tmp_path):
+    target = tiny_targets["llama"]
+    full = dump(target, convs, tmp_path / "full", shard_size_mb=0.02)
+    with pytest.raises(SystemExit):
+        dump(target, convs, tmp_path / "resumed", shard_size_mb=0.02, stop_after_shards=2)
+    out = tmp_path / "resumed"
+    assert not (out / "manifest.json").exists()
+    # what a kill during the third shard's write leaves behind: a temp file and a shard without its sidecar
+    (out / "shard-00002.safetensors.tmp-999").write_bytes(b"partial")
+    (out / "shard-00002.safetensors").write_bytes(b"truncated")
+    resumed = dump(target, convs, out, shard_size_mb=0.02)
+    assert [r.sha256 for r in resumed.shards] == [r.sha256 for r in full.shards]
+    assert resumed.totals == full.totals
+    # rerunning a finished dump writes nothing new and keeps the manifest
+    again = dump(target, convs, out, shard_size_mb=0.02)
+    assert again.to_dict() == resumed.to_dict()
+
+
+def test_rerun_into_out_with_other_layers_target_or_tokenizer_is_refused(tiny_targets, convs, tmp_path):
+    out = tmp_path / "d"
+    dump(tiny_targets["llama"], convs, out, num_samples=2)
+    with pytest.raises(C.ContractError, match="capture.hidden_state_indices"):
+        dump(tiny_targets["llama"], convs, out, num_samples=2, layers=[1, 2, 3])
+    with pytest.raises(C.ContractError, match="target.config_sha256"):
+        dump(tiny_targets["deepseek_v3"], convs, out, num_samples=2)
+    with pytest.raises(C.ContractError, match="different data"):
+        dump(tiny_targets["llama"], convs, out, num_samples=3)
+    assert read_manifest(str(out)).totals["samples"] == 2  # nothing already written was touched
+
+
+def test_other_tokenizer_is_refused(tiny_targets, convs, tmp_path):
+    import shutil
+    from tiny_tokenizers import make_tokenizer
+    other = tmp_path / "other"
+    shutil.copytree(tiny_targets["llama"], other)
+    make_tokenizer("llama3").save_pretrained(other)
+    dump(tiny_targets["llama"], convs, tmp_path / "d", num_samples=2)
+    with pytest.raises(C.ContractError, match="tokenizer"):
+        dump(str(other), convs, tmp_path / "d", num_samples=2)
+
+
+@pytest.mark.parametrize("layers", [[0, 3], [3, 6], [2, 9]])
+def test_layers_out_of_range(tiny_targets, convs, tmp_path, layers):
+    with pytest.raises(C.ContractError, match="0 < k < 6"):
+        dump(tiny_targets["llama"], convs, tmp_path / "d", layers=layers)
+    assert not (tmp_path / "d").exists()
+
+
+def test_tp_that_does_not_divide_heads(tiny_targets, convs, tmp_path):
+    with pytest.raises(ValueError, match="--tp 3 does not divide num_attention_heads=4"):
+        dump(tiny_targets["llama"], convs, tmp_path / "d", tp=3)
+
+
+def test_unwritable_out(tiny_targets, convs, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(C.ContractError, match="not writable"):
+        dump(tiny_targets["llama"], convs, blocker / "out")
+
+
+def test_malformed_line_names_file_and_line(tiny_targets, tmp_path):
+    from eagle3.dump.conversations import DataError
+    data = write_conversations(tmp_path / "bad.jsonl", n=3, extra_lines=['{"conversations": ['])
+    with pytest.raises(DataError, match=r"bad\.jsonl:4"):
+        dump(tiny_targets["llama"], data, tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+
+
+def test_tokenizer_without_chat_template(tiny_targets, convs, tmp_path):
+    import shutil
+    from eagle3.dump.targets import TargetError
+    t = tmp_path / "t"
+    shutil.copytree(tiny_targets["llama"], t)
+    for name in ("chat_template.jinja",):
+        if (t / name).exists():
+            (t / name).unlink()
+    cfg = json.loads((t / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (t / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TargetError, match="no chat template"):
+        dump(str(t), convs, tmp_path / "d")
+
+
+def _torchrun(n, *args, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--standalone",
+           "-m", "eagle3.dump", *map(str, args), "--dtype", "fp32", "--no-progress"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, nproc, tp", [("llama", 2, 2), ("deepseek_v3", 2, 2), ("kimi_k25", 4, 2)])
+def test_tensor_parallel_dump_equals_single_process(tiny_targets, convs, tmp_path, kind, nproc, tp):
+    """torchrun + gloo: TP (and DP x TP on 4 ranks) gives the same dataset as one process."""
+    target = tiny_targets[kind]
+    ref = dump(target, convs, tmp_path / "one", shard_size_mb=0.02, num_samples=8)
+    _torchrun(nproc, "--target", target, "--data", convs, "--out", tmp_path / "tp", "--tp", tp,
+              "--shard-size-mb", 0.02, "--num-samples", 8)
+    a, ma = read_dump(tmp_path / "one")
+    b, mb = read_dump(tmp_path / "tp")
+    assert (mb.tp_size, mb.dp_size) == (tp, nproc // tp)
+    assert [(r.file, r.samples, r.tokens) for r in ma.shards] == [(r.file, r.samples, r.tokens) for r in mb.shards]
+    assert ma.identity() == mb.identity()
+    for si in a:
+        for k in a[si]:
+            torch.testing.assert_close(b[si][k], a[si][k], atol=1e-5, rtol=1e-5)
+
+
+def test_cli_dump_and_clear_error(tiny_targets, convs, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "eagle3.cli", "dump", "--target", tiny_targets["llama"], "--data", convs,
+                        "--out", str(tmp_path / "d"), "--layers", "1,5", "--num-samples", "2", "--no-progress"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert read_manifest(str(tmp_path / "d")).capture.hidden_state_indices == [1, 5]
+    r = subprocess.run([sys.executable, "-m", "eagle3.cli", "dump", "--target", tiny_targets["llama"], "--data", convs,
+                        "--out", str(tmp_path / "e"), "--layers", "0,5"], capture_output=True, text=True)
+    assert r.returncode == 2 and "0 < k < 6" in r.stderr
+
+
+def test_preset_mismatch_is_refused(tiny_targets, convs, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "eagle3.cli", "dump", "--preset", "kimi-k2.5", "--target",
+                        tiny_targets["kimi_k25"], "--data", convs, "--out", str(tmp_path / "d")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "num_hidden_layers expected 61, found 6" in r.stderr

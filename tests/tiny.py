@@ -1,0 +1,66 @@
+"""Tiny random targets built from configs, saved as ordinary transformers directories (no hub)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+VOCAB = 512  # every tiny tokenizer's ids are below this
+
+LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=64,
+             intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+
+DEEPSEEK_V3 = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=VOCAB,
+                   hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=6,
+                   num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+                   num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32,
+                   q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.5,
+                   norm_topk_prob=True, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+                   tie_word_embeddings=False)
+
+# Kimi-K2.5's layout: a vision-language wrapper (model_type kimi_k25) around a DeepseekV3 text backbone.
+KIMI_K25 = dict(model_type="kimi_k25", architectures=["Kimi_K25ForConditionalGeneration"],
+                text_config=dict(DEEPSEEK_V3, architectures=None),
+                vision_config=dict(model_type="kimi_k25_vision", hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=2, patch_size=14,
+                                   mm_hidden_size=32, text_hidden_size=64),
+                tie_word_embeddings=False)
+
+CONFIGS = {"llama": LLAMA, "deepseek_v3": DEEPSEEK_V3, "kimi_k25": KIMI_K25}
+
+
+def make_target(path: str, kind: str = "llama", seed: int = 0, tokenizer=None, **overrides) -> str:
+    """Build a random model of `kind` from its config and save it (fp32) with a tiny chat tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    cfg_dict = dict(CONFIGS[kind], **overrides)
+    cfg_dict = json.loads(json.dumps(cfg_dict))
+    model_type = cfg_dict.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg_dict)
+    torch.manual_seed(seed)
+    cls = AutoModelForImageTextToText if kind == "kimi_k25" else AutoModelForCausalLM
+    model = cls.from_config(config, dtype=torch.float32)
+    # Random init of norms is all-ones; perturb everything so a wrong index or a missing norm shows up.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    if tokenizer is None:
+        from tiny_tokenizers import make_tokenizer
+        tokenizer = make_tokenizer("chatml")
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def reference_hidden_states(path: str, input_ids: torch.Tensor, attention_mask=None, dtype=torch.float32):
+    """Plain top-level forward with output_hidden_states=True: the contract's definition of HF index k.
+    Returns (hidden_states, logits, model)."""
+    from eagle3.dump.targets import load_target
+    model = load_target(path, dtype, torch.device("cpu"))
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    return out.hidden_states, out.logits, model
