@@ -80,12 +80,52 @@ def _default_dtype(device: str | None) -> str:
     return "bf16" if on_gpu else "fp32"
 
 
+def cmd_vocab(a: argparse.Namespace) -> None:
+    from eagle3.data.dumps import DumpSet, split
+    from eagle3.data.vocab import build_vocab, save_vocab
+    ds = DumpSet(a.dump, verify=not a.no_verify, progress=True)
+    train, _ = split(ds.refs, a.held_out_fraction, a.seed)
+    vocab = build_vocab(ds, train, a.draft_vocab_size, progress=True)
+    save_vocab(a.out, vocab)
+    m = vocab["meta"]
+    print(f"draft vocab {m['draft_vocab_size']} of {m['vocab_size']} ids: coverage {m['coverage']:.2%} of "
+          f"{m['counted_tokens']:,} loss-masked tokens in {m['samples']:,} training samples "
+          f"({m['distinct_tokens']:,} distinct) -> {a.out}")
+
+
+def cmd_inspect(a: argparse.Namespace) -> None:
+    import json
+    from eagle3.data.inspect import inspect_path, render
+    report = inspect_path(a.path, verify=not a.no_verify)
+    print(json.dumps(report, indent=1) if a.json else render(report))
+    if str(report.get("verified", "")).startswith("FAILED"):
+        raise SystemExit(1)
+
+
+def add_split_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--held-out-fraction", type=float, default=0.02,
+                   help="share of samples (by sample_index) kept out of training for evaluation")
+    p.add_argument("--seed", type=int, default=0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="eagle3", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("dump", help="capture the target's hidden states into sharded safetensors")
     _add_dump(p)
     p.set_defaults(fn=cmd_dump)
+    p = sub.add_parser("vocab", help="draft vocabulary (d2t/t2d) from the training split of dumps")
+    p.add_argument("--dump", nargs="+", required=True)
+    p.add_argument("--draft-vocab-size", type=int, required=True)
+    p.add_argument("--out", required=True, help="output .safetensors file")
+    p.add_argument("--no-verify", action="store_true", help="skip the shard sha256 check")
+    add_split_args(p)
+    p.set_defaults(fn=cmd_vocab)
+    p = sub.add_parser("inspect", help="describe and verify a dump directory")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--no-verify", action="store_true")
+    p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("example-target", help="convert (once) and print the example target directory")
     p.set_defaults(fn=cmd_example_target)
     p = sub.add_parser("quickstart", help="run the pipeline on the embedded default (SmolLM2-135M + ShareGPT)")

@@ -185,6 +185,23 @@ class DumpManifest:
                 "tokenizer.chat_template_sha256": self.tokenizer.chat_template_sha256}
 
 
+MANIFEST_FILE = "manifest.json"
+
+
+def load_manifest(dump_dir: str) -> DumpManifest:
+    """The manifest of a finished dump directory (validated), or a clear error."""
+    import os
+    path = os.path.join(dump_dir, MANIFEST_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{dump_dir}: no {MANIFEST_FILE} (not a finished eagle3 dump)")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ContractError(f"{path}: not valid JSON ({e})") from e
+    return DumpManifest.from_dict(d, source=path)
+
+
 def require_same_capture(a: dict, b: dict, what_a: str, what_b: str) -> None:
     """Compare two identity dicts (see DumpManifest.identity) and fail loudly, naming every difference."""
     diffs = [f"  {k}: {a.get(k)!r} ({what_a}) != {b.get(k)!r} ({what_b})"

@@ -27,7 +27,7 @@ from eagle3.dump import shards as S
 from eagle3.dump import targets as T
 from eagle3.dump.capture import HiddenStateCapture, verify_full_width
 
-MANIFEST = "manifest.json"
+MANIFEST = C.MANIFEST_FILE
 DUMP_CONFIG = "dump_config.json"
 
 
@@ -266,11 +266,3 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
             f"skipped {tot['skipped']}: {manifest.skipped or 'none'}")
     D.barrier()
     return manifest
-
-
-def read_manifest(out: str) -> DumpManifest:
-    path = os.path.join(out, MANIFEST)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{out}: no {MANIFEST} (not a finished eagle3 dump)")
-    with open(path) as f:
-        return DumpManifest.from_dict(json.load(f), source=path)

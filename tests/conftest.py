@@ -16,3 +16,21 @@ def tiny_targets(tmp_path_factory):
     from tiny import make_target
     root = tmp_path_factory.mktemp("targets")
     return {kind: make_target(str(root / kind), kind) for kind in ("llama", "deepseek_v3", "kimi_k25")}
+
+
+@pytest.fixture(scope="session")
+def convs(tmp_path_factory):
+    """12 synthetic ShareGPT conversations of varied length."""
+    from tiny import write_conversations
+    return write_conversations(tmp_path_factory.mktemp("data") / "chats.jsonl")
+
+
+@pytest.fixture(scope="session")
+def tiny_dump(tiny_targets, convs, tmp_path_factory):
+    """An fp32 dump of the tiny Llama target with layers given out of order (stored ascending: 1, 3, 4),
+    several shards."""
+    from eagle3.dump.job import DumpConfig, run_dump
+    out = str(tmp_path_factory.mktemp("dumps") / "llama")
+    run_dump(DumpConfig(target=tiny_targets["llama"], data=[convs], out=out, layers=[4, 1, 3], dtype="fp32",
+                        shard_size_mb=0.03, progress=False))
+    return out

@@ -11,37 +11,11 @@ import torch
 from safetensors import safe_open
 
 from eagle3 import contract as C
-from eagle3.dump.job import DumpConfig, read_manifest, run_dump
+from eagle3.contract import load_manifest as read_manifest
+from eagle3.dump.job import DumpConfig, run_dump
 from eagle3.dump.shards import file_sha256
 
-from tiny import reference_hidden_states
-
-WORDS = "the quick brown fox jumps over lazy dogs while seven wizards quietly hum a song about code".split()
-
-
-def _text(rng, n):
-    return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=rng))
-
-
-def write_conversations(path, n=12, seed=0, extra_lines=()):
-    """ShareGPT-style jsonl with varied lengths, a system turn now and then, and multi-turn chats."""
-    rng = torch.Generator().manual_seed(seed)
-    with open(path, "w") as f:
-        for i in range(n):
-            conv = [{"from": "system", "value": _text(rng, 3)}] if i % 3 == 0 else []
-            for _ in range(1 + i % 2):
-                conv += [{"from": "human", "value": _text(rng, 2 + int(torch.randint(0, 12, (1,), generator=rng)))},
-                         {"from": "gpt", "value": _text(rng, 2 + int(torch.randint(0, 20, (1,), generator=rng)))}]
-            f.write(json.dumps({"conversations": conv}) + "\n")
-        for line in extra_lines:
-            f.write(line + "\n")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def convs(tmp_path_factory):
-    return write_conversations(tmp_path_factory.mktemp("data") / "chats.jsonl")
-
+from tiny import reference_hidden_states, write_conversations
 
 def read_dump(out):
     """{sample_index: {name: tensor}} over all shards of a dump, plus the manifest."""

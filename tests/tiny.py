@@ -64,3 +64,25 @@ def reference_hidden_states(path: str, input_ids: torch.Tensor, attention_mask=N
     with torch.no_grad():
         out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
     return out.hidden_states, out.logits, model
+
+
+WORDS = "the quick brown fox jumps over lazy dogs while seven wizards quietly hum a song about code".split()
+
+
+def _text(rng, n):
+    return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=rng))
+
+
+def write_conversations(path, n=12, seed=0, extra_lines=()):
+    """ShareGPT-style jsonl with varied lengths, a system turn now and then, and multi-turn chats."""
+    rng = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            conv = [{"from": "system", "value": _text(rng, 3)}] if i % 3 == 0 else []
+            for _ in range(1 + i % 2):
+                conv += [{"from": "human", "value": _text(rng, 2 + int(torch.randint(0, 12, (1,), generator=rng)))},
+                         {"from": "gpt", "value": _text(rng, 2 + int(torch.randint(0, 20, (1,), generator=rng)))}]
+            f.write(json.dumps({"conversations": conv}) + "\n")
+        for line in extra_lines:
+            f.write(line + "\n")
+    return str(path)

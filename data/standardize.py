@@ -1,0 +1,44 @@
+"""standardize_data_v1: one dumped sample -> what the drafter consumes.
+
+The version is part of the contract (checkpoints record `standardize: v1`): the drafter's `fc` was trained on
+`cat(hidden_states.<k> for k in manifest indices, ascending)`, low -> mid -> high, the order SGLang appends its
+captured states in. The indices come from the manifest, never from a literal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3 import contract as C
+from eagle3.contract import ContractError, DumpManifest
+
+VERSION = C.STANDARDIZE_VERSION
+
+
+def standardize_data_v1(sample: dict, manifest: DumpManifest, source: str = "sample") -> dict:
+    """sample: `input_ids [T]`, `loss_mask [T]`, `hidden_states.<k> [T, H]` per captured k, `final_hidden [T, H]`.
+
+    Returns `input_ids [T]`, `loss_mask [T]`, `hidden_state [T, n*H]` (ascending HF index), `target_hidden [T, H]`.
+    `source` names the shard and sample in errors."""
+    indices = sorted(manifest.capture.hidden_state_indices)
+    H = manifest.target.hidden_size
+    missing = [C.hidden_state_key(k) for k in indices if C.hidden_state_key(k) not in sample]
+    for key in (C.INPUT_IDS, C.LOSS_MASK, C.FINAL_HIDDEN):
+        if key not in sample:
+            missing.append(key)
+    if missing:
+        raise ContractError(f"{source}: missing {missing} required by the manifest "
+                            f"(capture indices {indices})")
+    T = sample[C.INPUT_IDS].shape[0]
+    parts = [sample[C.hidden_state_key(k)] for k in indices]
+    for name, t in [(C.hidden_state_key(k), p) for k, p in zip(indices, parts)] + [
+            (C.FINAL_HIDDEN, sample[C.FINAL_HIDDEN])]:
+        if tuple(t.shape) != (T, H):
+            raise ContractError(f"{source}: {name} has shape {tuple(t.shape)}, expected ({T}, {H}) "
+                                f"(hidden size {H} from the manifest)")
+        if not torch.isfinite(t).all():
+            raise ContractError(f"{source}: {name} contains NaN or Inf")
+    if sample[C.LOSS_MASK].shape[0] != T:
+        raise ContractError(f"{source}: loss_mask has {sample[C.LOSS_MASK].shape[0]} tokens, input_ids {T}")
+    return {"input_ids": sample[C.INPUT_IDS], "loss_mask": sample[C.LOSS_MASK],
+            "hidden_state": torch.cat(parts, dim=-1), "target_hidden": sample[C.FINAL_HIDDEN]}

@@ -1,0 +1,93 @@
+"""The draft vocabulary: the N most frequent target tokens at loss-masked positions of the training data.
+
+Sorted by id; `d2t[i] = id_i - i` (SGLang: target_id = draft_id + d2t[draft_id]) and `t2d[id] = True` for those
+ids. Ties break by token id (the smaller id wins), and N beyond the distinct tokens fills with the remaining ids in
+id order, so the result is deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from eagle3 import contract as C
+from eagle3.data.dumps import DumpSet, SampleRef
+
+
+def count_tokens(dumps: DumpSet, refs: list[SampleRef], progress: bool = False) -> torch.Tensor:
+    """counts[id] = occurrences of id at loss-masked positions of the samples `refs`."""
+    V = dumps.manifest.target.vocab_size
+    counts = torch.zeros(V, dtype=torch.int64)
+    by_shard: dict[tuple[int, int], list[SampleRef]] = {}
+    for r in refs:
+        by_shard.setdefault((r.dump, r.shard), []).append(r)
+    for (d, s), rs in tqdm(sorted(by_shard.items()), desc="count tokens", unit="shard", disable=not progress):
+        f = dumps._shard(d, s)
+        ids = f.get_tensor(C.INPUT_IDS).long()
+        mask = f.get_tensor(C.LOSS_MASK).bool()
+        keep = torch.zeros_like(mask)
+        for r in rs:
+            keep[r.start:r.start + r.length] = True
+        sel = ids[mask & keep]
+        if sel.numel() and int(sel.max()) >= V:
+            raise C.ContractError(f"{dumps.where(rs[0])}: token id {int(sel.max())} >= vocab_size {V}")
+        counts += torch.bincount(sel, minlength=V)
+    return counts
+
+
+def select_draft_vocab(counts: torch.Tensor, n: int) -> torch.Tensor:
+    """Ids of the n most frequent tokens (ties: smaller id first), returned sorted by id."""
+    V = counts.numel()
+    if not 0 < n <= V:
+        raise ValueError(f"--draft-vocab-size {n} must be in 1..{V} (the target vocab)")
+    key = counts.to(torch.int64) * V + (V - 1 - torch.arange(V))  # count first, then smaller id
+    return torch.sort(torch.topk(key, n).indices).values
+
+
+def vocab_map(ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = ids.to(torch.int64)
+    d2t = ids - torch.arange(ids.numel(), dtype=torch.int64)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return d2t, t2d
+
+
+def draft_ids(d2t: torch.Tensor) -> torch.Tensor:
+    return d2t + torch.arange(d2t.numel(), dtype=torch.int64)
+
+
+def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
+    total = int(counts.sum())
+    return float(counts[t2d].sum()) / total if total else 0.0
+
+
+def build_vocab(dumps: DumpSet, refs: list[SampleRef], n: int, progress: bool = False) -> dict:
+    counts = count_tokens(dumps, refs, progress=progress)
+    d2t, t2d = vocab_map(select_draft_vocab(counts, n), counts.numel())
+    m = dumps.manifest
+    meta = {"draft_vocab_size": n, "vocab_size": counts.numel(), "coverage": coverage(counts, t2d),
+            "counted_tokens": int(counts.sum()), "distinct_tokens": int((counts > 0).sum()),
+            "samples": len(refs), "dumps": [str(d) for d in dumps.dirs],
+            "identity": m.identity()}
+    return {"d2t": d2t, "t2d": t2d, "meta": meta}
+
+
+def save_vocab(path: str, vocab: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    save_file({"d2t": vocab["d2t"], "t2d": vocab["t2d"]}, tmp,
+              metadata={"eagle3_vocab": json.dumps(vocab["meta"], sort_keys=True)})
+    os.replace(tmp, path)
+
+
+def load_vocab(path: str) -> dict:
+    with safe_open(path, "pt") as f:
+        meta = json.loads((f.metadata() or {}).get("eagle3_vocab", "{}"))
+        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    if not torch.equal(vocab_map(draft_ids(d2t), t2d.numel())[1], t2d):
+        raise C.ContractError(f"{path}: d2t and t2d disagree")
+    return {"d2t": d2t, "t2d": t2d, "meta": meta}
