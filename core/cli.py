@@ -102,6 +102,12 @@ def cmd_inspect(a: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
+def cmd_train(a: argparse.Namespace) -> None:
+    from eagle3.train.config import from_args
+    from eagle3.train.trainer import train
+    train(from_args(a))
+
+
 def add_split_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--held-out-fraction", type=float, default=0.02,
                    help="share of samples (by sample_index) kept out of training for evaluation")
@@ -121,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify", action="store_true", help="skip the shard sha256 check")
     add_split_args(p)
     p.set_defaults(fn=cmd_vocab)
+    p = sub.add_parser("train", help="fit the drafter with DeepSpeed (launch with `deepspeed --module eagle3.train`)")
+    from eagle3.train.config import add_arguments
+    add_arguments(p)
+    p.set_defaults(fn=cmd_train)
     p = sub.add_parser("inspect", help="describe and verify a dump directory")
     p.add_argument("path")
     p.add_argument("--json", action="store_true")

@@ -58,3 +58,26 @@ def all_gather_objects(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def fail_together(msg: str | None, exc=ValueError, src: int = 0) -> None:
+    """Every rank raises the same error that rank `src` decided on, so no rank hangs in a later collective."""
+    msg = broadcast_object(msg, src=src)
+    if msg:
+        raise exc(msg)
+
+
+def run_on_main(fn, world: World):
+    """Run fn() on rank 0 only; any error it raises is raised on every rank (as ValueError with its message)."""
+    err, result = None, None
+    if world.is_main:
+        try:
+            result = fn()
+        except Exception as e:  # re-raised below on every rank, rank 0 with its own traceback
+            err = e
+    msg = broadcast_object(f"{type(err).__name__}: {err}" if err else None)
+    if err is not None:
+        raise err
+    if msg:
+        raise ValueError(f"rank 0 failed: {msg}")
+    return result

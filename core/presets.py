@@ -12,14 +12,16 @@ def _dir(kind: str):
 
 
 def available(kind: str) -> list[str]:
-    return sorted(p.name.removesuffix(".yaml") for p in _dir(kind).iterdir() if p.name.endswith(".yaml"))
+    return sorted(p.name.rsplit(".", 1)[0] for p in _dir(kind).iterdir() if p.name.endswith((".yaml", ".json")))
 
 
 def load(kind: str, name: str) -> dict:
-    path = _dir(kind).joinpath(f"{name}.yaml")
-    if not path.is_file():
-        raise ValueError(f"unknown {kind} preset {name!r}; available: {', '.join(available(kind))}")
-    return yaml.safe_load(path.read_text())
+    """configs/<kind>/<name>.yaml (or .json; YAML parses JSON too)."""
+    for ext in (".yaml", ".json"):
+        path = _dir(kind).joinpath(name + ext)
+        if path.is_file():
+            return yaml.safe_load(path.read_text())
+    raise ValueError(f"unknown {kind} preset {name!r}; available: {', '.join(available(kind))}")
 
 
 def check_target_expectations(preset_name: str, preset: dict, text_config: dict, model_type: str) -> None:

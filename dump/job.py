@@ -155,13 +155,6 @@ def _check_out_dir(out: str, identity: dict, plan_hash: str, cfg: DumpConfig) ->
     return None
 
 
-def _fail_together(msg: str | None):
-    """Every rank raises the same error (rank 0 decided), so no rank hangs in a collective."""
-    msg = D.broadcast_object(msg)
-    if msg:
-        raise ContractError(msg)
-
-
 def run_dump(cfg: DumpConfig) -> DumpManifest:
     from eagle3.dump.conversations import load_samples
 
@@ -201,7 +194,8 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
     plan_hash = C.sha256_bytes(C.canonical_json(
         [[samples[i].sample_index for i in sh] for sh in plan] + [lengths, cfg.dtype]))
 
-    _fail_together(_check_out_dir(cfg.out, manifest.identity(), plan_hash, cfg) if world.is_main else None)
+    D.fail_together(_check_out_dir(cfg.out, manifest.identity(), plan_hash, cfg) if world.is_main else None,
+                    ContractError)
     finished = D.broadcast_object({j for j in range(len(plan)) if S.finished_shard(cfg.out, j)}
                                   if world.is_main else None)
     mine = [j for j in range(len(plan)) if j % dp == dp_rank]

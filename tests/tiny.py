@@ -8,6 +8,7 @@ import os
 import torch
 
 VOCAB = 512  # every tiny tokenizer's ids are below this
+LOGIT_SCALE = 40.0
 
 LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=64,
              intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -47,6 +48,8 @@ def make_target(path: str, kind: str = "llama", seed: int = 0, tokenizer=None, *
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
+        # A peaked next-token distribution (as in a trained LM), so the teacher's argmax means something.
+        model.get_output_embeddings().weight.mul_(LOGIT_SCALE)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     if tokenizer is None:

@@ -1,0 +1,136 @@
+"""The trainer inside the real DeepSpeed engine: launched by the `deepspeed` launcher with 2 CPU processes."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3 import contract as C
+from eagle3.train.drafter import EXPORT_KEYS
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def launch(n, dump, target, out, *extra, check=True):
+    cmd = ["deepspeed", "--num_gpus", str(n), "--master_port", str(_port()), "--module", "eagle3.train",
+           "--dump", dump, "--target", target, "--out", str(out), "--drafter", "tiny", "--draft-vocab-size", "512",
+           "--no-bf16", "--token-budget", "256", "--lr", "3e-3", "--warmup-steps", "2", "--held-out-fraction", "0.2",
+           "--eval-interval", "4", "--eval-batches", "2", "--num-workers", "1", "--no-progress", *map(str, extra)]
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    if check:
+        assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
+    return r
+
+
+def metrics(out, split="train"):
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return [r for r in rows if r.get("split", "train") == split]
+
+
+@pytest.fixture(scope="module")
+def zero2_run(tiny_dump, tiny_targets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "zero2"
+    launch(2, tiny_dump, tiny_targets["llama"], out, "--zero-stage", "2", "--max-steps", 8, "--save-interval", 4)
+    return str(out)
+
+
+@pytest.mark.slow
+def test_zero2_two_processes_learns_and_checkpoints(zero2_run, tiny_dump):
+    rows = metrics(zero2_run)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert all(len(r["acc_j"]) == 7 and r["tok_s"] > 0 and r["tokens"] > 0 for r in rows)
+    assert metrics(zero2_run, "eval"), "held-out evaluation ran"
+    run = json.load(open(os.path.join(zero2_run, "run.json")))
+    m = C.load_manifest(tiny_dump)
+    assert run["identity"] == m.identity() and run["standardize"] == "v1" and run["world_size"] == 2
+    assert run["capture"]["hidden_state_indices"] == [1, 3, 4]
+    ck = os.path.join(zero2_run, "checkpoints", "step00000008")
+    rec = json.load(open(os.path.join(ck, "eagle3_checkpoint.json")))
+    assert rec["step"] == 8 and rec["capture"]["hidden_state_indices"] == [1, 3, 4]
+    w = load_file(os.path.join(ck, "drafter.safetensors"))
+    assert set(w) == set(EXPORT_KEYS)
+    assert w["fc.weight"].shape == (64, 3 * 64) and w["lm_head.weight"].shape == (512, 64)
+
+
+@pytest.mark.slow
+def test_zero3_matches_zero2(zero2_run, tiny_dump, tiny_targets, tmp_path):
+    """Same data, same global batch: ZeRO-3 (partitioned parameters) computes the same losses and weights."""
+    out = tmp_path / "zero3"
+    launch(2, tiny_dump, tiny_targets["llama"], out, "--zero-stage", "3", "--max-steps", 8, "--save-interval", 4)
+    a, b = metrics(zero2_run), metrics(out)
+    assert [r["step"] for r in b] == list(range(1, 9))
+    for ra, rb in zip(a, b):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4, abs=1e-5)
+    wa = load_file(os.path.join(zero2_run, "checkpoints", "step00000008", "drafter.safetensors"))
+    wb = load_file(os.path.join(out, "checkpoints", "step00000008", "drafter.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_kill_and_resume_reproduces_the_uninterrupted_run(zero2_run, tiny_dump, tiny_targets, tmp_path):
+    out = tmp_path / "resumed"
+    r = launch(2, tiny_dump, tiny_targets["llama"], out, "--zero-stage", "2", "--max-steps", 8, "--save-interval", 4,
+               "--stop-after-steps", 5, check=False)
+    assert r.returncode != 0 and "stopped at step 5" in r.stdout + r.stderr
+    # the killed run got past its step-4 checkpoint; steps after it are recomputed on resume
+    launch(2, tiny_dump, tiny_targets["llama"], out, "--zero-stage", "2", "--max-steps", 8, "--save-interval", 4,
+           "--resume")
+    full = {r["step"]: r["loss"] for r in metrics(zero2_run)}
+    resumed = {}
+    for r in metrics(out):
+        resumed[r["step"]] = r["loss"]  # the resumed run's rows for steps 5.. come last and win
+    assert sorted(resumed) == list(range(1, 9))
+    for s in range(1, 9):
+        assert resumed[s] == pytest.approx(full[s], rel=1e-6, abs=1e-7), s
+
+
+@pytest.mark.slow
+def test_refusals(zero2_run, tiny_dump, tiny_targets, convs, tmp_path):
+    # the dumps were made with another target
+    r = launch(1, tiny_dump, tiny_targets["deepseek_v3"], tmp_path / "a", "--max-steps", 1, check=False)
+    assert r.returncode != 0 and "target.config_sha256" in r.stdout + r.stderr
+    # an existing run is not overwritten
+    r = launch(1, tiny_dump, tiny_targets["llama"], zero2_run, "--max-steps", 1, check=False)
+    assert r.returncode != 0 and "already holds a training run" in r.stdout + r.stderr
+    # resuming with dumps of another capture set
+    from eagle3.dump.job import DumpConfig, run_dump
+    other = str(tmp_path / "other_dump")
+    run_dump(DumpConfig(target=tiny_targets["llama"], data=[convs], out=other, layers=[2, 3, 5], dtype="fp32",
+                        progress=False))
+    r = launch(2, other, tiny_targets["llama"], zero2_run, "--max-steps", 8, "--resume", check=False)
+    assert r.returncode != 0 and "capture.hidden_state_indices" in r.stdout + r.stderr
+
+
+def test_overfitting_a_tiny_dump_drives_acc0_to_one(tiny_targets, convs, tmp_path):
+    """The drafter can learn: on six conversations, draft and teacher argmax agree almost everywhere."""
+    from eagle3.dump.job import DumpConfig, run_dump
+    from eagle3.train.config import TrainConfig
+    from eagle3.train.trainer import train
+    dump = str(tmp_path / "dump")
+    run_dump(DumpConfig(target=tiny_targets["llama"], data=[convs], out=dump, dtype="fp32", num_samples=6,
+                        progress=False))
+    res = train(TrainConfig(dump=[dump], target=tiny_targets["llama"], out=str(tmp_path / "run"), drafter="tiny",
+                            draft_vocab_size=512, bf16=False, max_steps=160, token_budget=4096, lr=3e-3,
+                            warmup_steps=10, held_out_fraction=0.0, save_interval=1000, num_workers=0,
+                            progress=False, wandb_mode="disabled"))
+    assert res["acc_j"][0] > 0.9 and res["accept_len"] > 5, res
+    first = metrics(str(tmp_path / "run"))[0]
+    assert first["acc_j"][0] < 0.2

@@ -1,0 +1,177 @@
+"""EAGLE-3 teacher, training-time-test loss and metrics (contract §5).
+
+Alignment: step j at position t consumes token t+1+j and predicts token p = t+2+j; its teacher is the target's
+distribution at position u = p-1 = t+1+j, softmax(lm_head(final_hidden[u])), restricted to the draft vocab and
+renormalised. A pair (t, j) counts iff p < T, loss_mask[p] = 1 (an assistant-produced token), every position
+<= p is real (attention_mask), and the target's full-vocab argmax at u lies inside the draft vocab.
+Loss = sum_j decay^j * mean over counted pairs of the soft cross-entropy.
+
+The teacher is computed once per needed position u (shared by all steps) and in chunks of tokens, so full-vocab
+fp32 logits never exist for more than `chunk_tokens` tokens at once. Draft logits are computed per chunk too and,
+when grad is on, recomputed in backward (activation checkpointing) so [tokens, draft_vocab] logits are not kept.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+@torch.no_grad()
+def teacher(target_hidden: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor,
+            chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+    """Teacher distributions for N tokens.
+
+    target_hidden [N, Ht] (post-final-norm), lm_head_weight [V, Ht], t2d bool [V].
+    Returns (p_draft [N, Dv] fp32 (fp64 for an fp64 weight): target probs restricted to the draft vocab (draft order = ascending target id)
+    and renormalised; in_vocab bool [N]: full-vocab argmax is a draft token; target_argmax_draft [N] long: that
+    argmax as a draft id, 0 where not in_vocab).
+    The matmul runs in lm_head_weight's dtype (as the target computes its own logits); softmax in fp32 (or fp64).
+    """
+    if target_hidden.dim() != 2 or lm_head_weight.dim() != 2 or target_hidden.shape[1] != lm_head_weight.shape[1]:
+        raise ValueError(f"teacher: target_hidden {tuple(target_hidden.shape)} vs lm_head {tuple(lm_head_weight.shape)}")
+    V = lm_head_weight.shape[0]
+    t2d = t2d.to(device=lm_head_weight.device, dtype=torch.bool)
+    if t2d.shape != (V,):
+        raise ValueError(f"t2d has shape {tuple(t2d.shape)}, lm_head has {V} rows")
+    draft_ids = t2d.nonzero().squeeze(-1)                   # [Dv] target ids, ascending
+    t2d_index = torch.cumsum(t2d.to(torch.int64), 0) - 1    # target id -> draft id (valid where t2d)
+    N = target_hidden.shape[0]
+    acc = torch.promote_types(lm_head_weight.dtype, torch.float32)
+    p = torch.empty(N, draft_ids.numel(), dtype=acc, device=lm_head_weight.device)
+    in_vocab = torch.empty(N, dtype=torch.bool, device=lm_head_weight.device)
+    argmax_draft = torch.empty(N, dtype=torch.int64, device=lm_head_weight.device)
+    chunk = max(1, int(chunk_tokens))
+    for s in range(0, N, chunk):
+        hs = target_hidden[s:s + chunk].to(device=lm_head_weight.device, dtype=lm_head_weight.dtype)
+        logits = (hs @ lm_head_weight.T).to(acc)            # [c, V]
+        am = logits.argmax(-1)
+        in_vocab[s:s + chunk] = t2d[am]
+        argmax_draft[s:s + chunk] = torch.where(t2d[am], t2d_index[am], torch.zeros_like(am))
+        p[s:s + chunk] = torch.softmax(logits.index_select(1, draft_ids), dim=-1)
+        del logits
+    return p, in_vocab, argmax_draft
+
+
+def _ce_and_correct(drafter, m: torch.Tensor, p: torch.Tensor, tgt: torch.Tensor):
+    logits = drafter.draft_logits(m)
+    lp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    ce = -(p.to(lp.dtype) * lp).sum()
+    correct = (logits.argmax(-1) == tgt).sum()
+    return ce, correct
+
+
+def _soft_ce(drafter, m: torch.Tensor, p: torch.Tensor, tgt: torch.Tensor, chunk_tokens: int):
+    """Sum over rows of -sum p * log_softmax(draft_logits(m)), and the number of argmax hits. Chunked."""
+    n = m.shape[0]
+    chunk = max(1, int(chunk_tokens))
+    if n <= chunk:
+        return _ce_and_correct(drafter, m, p, tgt)
+    ce_total, correct_total = m.new_zeros((), dtype=torch.promote_types(m.dtype, torch.float32)), 0
+    for s in range(0, n, chunk):
+        args = (drafter, m[s:s + chunk], p[s:s + chunk], tgt[s:s + chunk])
+        if torch.is_grad_enabled():
+            ce, correct = checkpoint(_ce_and_correct, *args, use_reentrant=False)
+        else:
+            ce, correct = _ce_and_correct(*args)
+        ce_total = ce_total + ce
+        correct_total = correct_total + correct
+    return ce_total, correct_total
+
+
+def eagle3_loss(drafter, step_outputs: Sequence[torch.Tensor], target_hidden: torch.Tensor,
+                lm_head_weight: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, decay: float = 0.8,
+                chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+    """The EAGLE-3 TTT loss.
+
+    drafter: has draft_logits(m) and buffer t2d; step_outputs: [m_0..m_{K-1}] each [B, T, H] (ttt_forward);
+    target_hidden [B, T, Ht] (post-final-norm); lm_head_weight [V, Ht] (target's); input_ids [B, T] (only shapes
+    are used: the teacher is the target's distribution, not the one-hot data token); loss_mask [B, T] (1 at tokens to
+    learn to predict); attention_mask [B, T] (None = all real).
+
+    Returns (loss, metrics). loss = sum_j decay^j * ce_sum_j / max(count_j, 1) (a local mean per step).
+    metrics (all detached, float64, on the loss device):
+      ce_sum [K], correct [K], count [K]   -- sums, all-reduce these to pool across ranks
+      loss_per_step [K], acc_per_step [K], acceptance_length (scalar), and loss_{j}, acc_{j} (scalars).
+    """
+    K = len(step_outputs)
+    if K < 1:
+        raise ValueError("eagle3_loss needs at least one step output")
+    B, T = input_ids.shape
+    dev = step_outputs[0].device
+    lm = loss_mask.to(device=dev).bool()
+    real = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.to(dev).bool()
+    prefix_real = torch.cumprod(real.to(torch.int64), dim=1).bool()   # every position <= p is real
+
+    # Predicted token p is usable (before the vocab condition) iff p >= 2 (t >= 0, j >= 0), in loss mask, real.
+    target_ok = lm & prefix_real
+    target_ok[:, :2] = False
+    # Teacher positions u = p - 1, computed once each.
+    need = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    need[:, :-1] = target_ok[:, 1:]
+    flat = need.reshape(-1).nonzero().squeeze(-1)
+    row_of = torch.full((B * T,), -1, dtype=torch.int64, device=dev)
+    row_of[flat] = torch.arange(flat.numel(), device=dev)
+    row_of = row_of.view(B, T)
+    th = target_hidden.reshape(B * T, -1).index_select(0, flat.to(target_hidden.device))
+    p_t, in_vocab, argmax_d = teacher(th, lm_head_weight, drafter.t2d, chunk_tokens)
+    p_t, in_vocab, argmax_d = p_t.to(dev), in_vocab.to(dev), argmax_d.to(dev)
+
+    # valid_u[b, u]: teacher at u exists and its argmax is a draft token.
+    valid_u = torch.zeros(B * T, dtype=torch.bool, device=dev)
+    valid_u[flat] = in_vocab
+    valid_u = valid_u.view(B, T)
+
+    total = None
+    ce_sums, corrects, counts = [], [], []
+    for j, m in enumerate(step_outputs):
+        if m.shape[:2] != (B, T):
+            raise ValueError(f"step output {j} has shape {tuple(m.shape)}, expected [{B}, {T}, H]")
+        # pair (t, j) -> teacher position u = t + 1 + j
+        sel = torch.zeros(B, T, dtype=torch.bool, device=dev)
+        if 1 + j < T:
+            sel[:, : T - 1 - j] = valid_u[:, 1 + j:]
+        idx = sel.reshape(-1).nonzero().squeeze(-1)
+        b_idx, t_idx = idx // T, idx % T
+        rows = row_of[b_idx, t_idx + 1 + j]
+        mj = m.reshape(B * T, -1).index_select(0, idx)
+        ce, correct = _soft_ce(drafter, mj, p_t.index_select(0, rows), argmax_d.index_select(0, rows), chunk_tokens)
+        n = idx.numel()
+        step_loss = ce / max(n, 1)
+        total = step_loss * (decay ** j) if total is None else total + step_loss * (decay ** j)
+        ce_sums.append(ce.detach().to(torch.float64))
+        corrects.append(torch.as_tensor(correct, device=dev).to(torch.float64))
+        counts.append(torch.tensor(float(n), dtype=torch.float64, device=dev))
+
+    ce_sum, correct, count = torch.stack(ce_sums), torch.stack(corrects), torch.stack(counts)
+    metrics = {"ce_sum": ce_sum, "correct": correct, "count": count}
+    metrics.update(summarize(ce_sum, correct, count))
+    return total, metrics
+
+
+def summarize(ce_sum: torch.Tensor, correct: torch.Tensor, count: torch.Tensor) -> dict:
+    """Per-step mean loss/accuracy and acceptance length from (possibly all-reduced / accumulated) sums."""
+    denom = count.clamp(min=1)
+    out = {"loss_per_step": ce_sum / denom, "acc_per_step": correct / denom,
+           "acceptance_length": acceptance_length(correct, count)}
+    for j in range(count.numel()):
+        out[f"loss_{j}"] = out["loss_per_step"][j]
+        out[f"acc_{j}"] = out["acc_per_step"][j]
+    return out
+
+
+def acceptance_length(correct_counts, totals):
+    """Simulated chain acceptance length 1 + sum_j prod_{i<=j} acc_i, acc_i = correct_i / total_i (pooled ratios;
+    a step with total 0 has acc 0). Tensors in -> 0-dim tensor out; lists/tuples in -> float out."""
+    is_tensor = torch.is_tensor(correct_counts)
+    c = torch.as_tensor(correct_counts, dtype=torch.float64)
+    n = torch.as_tensor(totals, dtype=torch.float64, device=c.device)
+    acc = torch.where(n > 0, c / n.clamp(min=1e-300), torch.zeros_like(c))
+    tau = 1 + torch.cumprod(acc, 0).sum()
+    return tau if is_tensor else float(tau)

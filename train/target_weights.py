@@ -1,0 +1,56 @@
+"""The two target tensors a drafter needs -- the token embedding and the lm_head -- read straight from the
+target's safetensors files (through `model.safetensors.index.json` when sharded). A Kimi-sized target is never
+loaded to train its drafter. A target with tied embeddings has one tensor for both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from eagle3.dump.targets import read_config, text_config_dict
+
+# Checkpoint names, most specific first: plain causal LMs, transformers' VLM layout, Kimi-K2.5's original layout.
+EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+              "language_model.model.embed_tokens.weight")
+HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+def _weight_files(target_dir: str) -> dict[str, str]:
+    """tensor name -> file, from the index or the single model.safetensors."""
+    index = os.path.join(target_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {k: os.path.join(target_dir, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(target_dir, "model.safetensors")
+    if os.path.isfile(single):
+        with safe_open(single, "pt") as f:
+            return {k: single for k in f.keys()}
+    raise FileNotFoundError(f"{target_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def _read(files: dict[str, str], candidates: tuple[str, ...], what: str, target_dir: str) -> torch.Tensor | None:
+    for k in candidates:
+        if k in files:
+            with safe_open(files[k], "pt") as f:
+                return f.get_tensor(k)
+    return None
+
+
+def load_embedding_and_head(target_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_tokens.weight [V, H], lm_head.weight [V, H]) of the target, in the checkpoint's dtype."""
+    files = _weight_files(target_dir)
+    embed = _read(files, EMBED_KEYS, "embedding", target_dir)
+    if embed is None:
+        raise KeyError(f"{target_dir}: no token embedding among {EMBED_KEYS}")
+    head = _read(files, HEAD_KEYS, "lm_head", target_dir)
+    if head is None:
+        cfg = read_config(target_dir)
+        tied = cfg.get("tie_word_embeddings", text_config_dict(cfg).get("tie_word_embeddings", False))
+        if not tied:
+            raise KeyError(f"{target_dir}: no lm_head among {HEAD_KEYS} and the config does not tie embeddings")
+        head = embed
+    return embed, head

@@ -1,0 +1,380 @@
+"""The DeepSpeed trainer: fit an EAGLE-3 drafter on standardized dump data.
+
+    deepspeed --num_gpus N --module eagle3.train --dump DIR... --target DIR --out RUN [--config kimi-k2.5] ...
+    eagle3 train ...                                   (one process)
+
+RUN/ holds run.json (the capture contract, vocab, standardize version, drafter and training config),
+vocab.safetensors, metrics.jsonl, and checkpoints/stepNNNNNNNN/ (DeepSpeed's own files for exact resume, plus
+drafter.safetensors with the consolidated weights and eagle3_checkpoint.json for the export).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from eagle3 import contract as C
+from eagle3 import dist as D
+from eagle3.train.config import TrainConfig
+
+RUN_FILE = "run.json"
+CKPT_FILE = "eagle3_checkpoint.json"
+WEIGHTS_FILE = "drafter.safetensors"
+VOCAB_FILE = "vocab.safetensors"
+METRICS_FILE = "metrics.jsonl"
+
+
+class DrafterTrainStep(nn.Module):
+    """What DeepSpeed wraps: the drafter and its loss, so that under ZeRO-3 every parameter the loss touches
+    (norm, lm_head) is gathered inside forward. The target's lm_head is a frozen buffer (the teacher)."""
+
+    def __init__(self, drafter: nn.Module, target_lm_head: torch.Tensor, cfg: TrainConfig):
+        super().__init__()
+        self.drafter = drafter
+        self.register_buffer("target_lm_head", target_lm_head, persistent=False)
+        self.steps, self.decay, self.chunk = cfg.ttt_steps, cfg.step_decay, cfg.teacher_chunk_tokens
+
+    def forward(self, hidden_state, input_ids, attention_mask, loss_mask, target_hidden):
+        from eagle3.train.loss import eagle3_loss
+        outs = self.drafter(hidden_state, input_ids, attention_mask, steps=self.steps)
+        loss, m = eagle3_loss(self.drafter, outs, target_hidden, self.target_lm_head, input_ids, loss_mask,
+                              attention_mask, decay=self.decay, chunk_tokens=self.chunk)
+        return loss, torch.stack([m["ce_sum"], m["correct"], m["count"]])
+
+
+# ----------------------------------------------------------------------------------------------- set-up pieces
+
+def check_target_matches_dumps(target_dir: str, manifest: C.DumpManifest) -> None:
+    """The target named for training must be the one the dumps were made with."""
+    from eagle3.dump.targets import load_tokenizer, target_info, tokenizer_info
+    info, tok = target_info(target_dir), tokenizer_info(load_tokenizer(target_dir))
+    mine = {"target.config_sha256": info.config_sha256, "target.architecture": info.architecture,
+            "target.hidden_size": info.hidden_size, "target.vocab_size": info.vocab_size,
+            "tokenizer.sha256": tok.sha256, "tokenizer.chat_template_sha256": tok.chat_template_sha256}
+    dumped = {k: v for k, v in manifest.identity().items() if k in mine}
+    C.require_same_capture(dumped, mine, "the dumps", f"--target {target_dir}")
+
+
+def drafter_config(cfg: TrainConfig, target_dir: str, num_aux: int):
+    """Drafter shape: a configs/drafters preset (or the target's own attention/MLP shape for 'auto'), with the
+    vocab and target hidden size always taken from the target."""
+    from eagle3 import presets
+    from eagle3.dump.targets import read_config, text_config_dict
+    from eagle3.train.drafter import DrafterConfig
+    t = text_config_dict(read_config(target_dir))
+    rope = t.get("rope_parameters") or {}
+    derived = dict(hidden_size=t["hidden_size"], num_attention_heads=t["num_attention_heads"],
+                   num_key_value_heads=t.get("num_key_value_heads") or t["num_attention_heads"],
+                   head_dim=t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"],
+                   intermediate_size=t["intermediate_size"], rms_norm_eps=t.get("rms_norm_eps", 1e-6),
+                   rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 10000.0))),
+                   max_position_embeddings=t.get("max_position_embeddings", 4096), draft_vocab_size=32000)
+    if cfg.drafter != "auto":
+        derived.update(presets.load("drafters", cfg.drafter))
+    if cfg.draft_vocab_size:
+        derived["draft_vocab_size"] = cfg.draft_vocab_size
+    derived["draft_vocab_size"] = min(derived["draft_vocab_size"], t["vocab_size"])
+    if derived["hidden_size"] != t["hidden_size"]:
+        raise ValueError(f"drafter hidden_size {derived['hidden_size']} != target hidden_size {t['hidden_size']}: "
+                         "SGLang feeds the drafter the target's own token embedding")
+    return DrafterConfig(vocab_size=t["vocab_size"], target_hidden_size=t["hidden_size"], num_aux_layers=num_aux,
+                         **derived)
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def deepspeed_config(cfg: TrainConfig, on_gpu: bool) -> dict:
+    from eagle3 import presets
+    ds = presets.load("deepspeed", f"zero{cfg.zero_stage}")
+    ds["gradient_accumulation_steps"] = cfg.grad_accum
+    ds["gradient_clipping"] = cfg.grad_clip
+    ds["bf16"] = {"enabled": bool(cfg.bf16)}
+    if not on_gpu:
+        ds["zero_optimization"]["overlap_comm"] = False
+    return ds
+
+
+class MetricsLog:
+    """metrics.jsonl + console + wandb (offline unless the user logged in; off with --wandb-mode disabled)."""
+
+    def __init__(self, run_dir: str, cfg: TrainConfig, enabled: bool):
+        self.enabled = enabled
+        self.path = os.path.join(run_dir, METRICS_FILE)
+        self.wandb = None
+        if not enabled:
+            return
+        mode = cfg.wandb_mode or os.environ.get("WANDB_MODE")
+        if mode != "disabled":
+            try:
+                import wandb
+                if mode is None:
+                    mode = "online" if (os.environ.get("WANDB_API_KEY") or wandb.api.api_key) else "offline"
+                self.wandb = wandb.init(project=cfg.wandb_project, dir=run_dir, config=cfg.to_dict(), mode=mode,
+                                        resume="allow", name=os.path.basename(os.path.abspath(run_dir)))
+            except Exception as e:  # wandb absent or broken: the run goes on, metrics.jsonl has everything
+                print(f"[train] wandb off ({type(e).__name__}: {e})", file=sys.stderr)
+
+    def write(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.wandb is not None:
+            prefix = rec.get("split", "train")
+            self.wandb.log({f"{prefix}/{k}": v for k, v in _flatten(rec).items() if isinstance(v, (int, float))},
+                           step=rec["step"])
+
+    def close(self):
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _flatten(rec: dict) -> dict:
+    out = {}
+    for k, v in rec.items():
+        if isinstance(v, list):
+            out.update({f"{k}/{j}": x for j, x in enumerate(v)})
+        else:
+            out[k] = v
+    return out
+
+
+def pooled(stats: torch.Tensor) -> dict:
+    """stats [3, K] = (ce_sum, correct, count) summed over tokens (and ranks) -> per-step metrics."""
+    from eagle3.train.loss import acceptance_length
+    ce, correct, count = stats.double().cpu()
+    denom = count.clamp(min=1)
+    return {"loss_j": (ce / denom).tolist(), "acc_j": (correct / denom).tolist(),
+            "accept_len": float(acceptance_length(correct, count)), "counted": int(count[0])}
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t)
+    return t
+
+
+def consolidated_state_dict(engine) -> dict[str, torch.Tensor]:
+    """The drafter's full weights on every rank (ZeRO-3 gathers its partitions), as exported to SGLang."""
+    import deepspeed
+    drafter = engine.module.drafter
+    params = list(drafter.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=engine.zero_optimization_stage() == 3):
+        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in drafter.export_state_dict().items()}
+
+
+def save_checkpoint(engine, run_dir: str, step: int, cfg: TrainConfig, world: D.World, run_record: dict) -> str:
+    from safetensors.torch import save_file
+    ckpt_root = os.path.join(run_dir, "checkpoints")
+    tag = f"step{step:08d}"
+    rng = {"python": None, "torch": torch.get_rng_state().tolist()}
+    engine.save_checkpoint(ckpt_root, tag=tag, client_state={"step": step, "rng": rng})
+    weights = consolidated_state_dict(engine)
+    path = os.path.join(ckpt_root, tag)
+    if world.is_main:
+        save_file(weights, os.path.join(path, WEIGHTS_FILE), metadata={"eagle3_step": str(step)})
+        with open(os.path.join(path, CKPT_FILE), "w") as f:
+            json.dump(dict(run_record, step=step, tag=tag, weights=WEIGHTS_FILE), f, indent=1)
+        tags = sorted(t for t in os.listdir(ckpt_root) if t.startswith("step"))
+        for old in tags[:-cfg.keep_checkpoints]:
+            shutil.rmtree(os.path.join(ckpt_root, old), ignore_errors=True)
+    D.barrier()
+    return path
+
+
+def _resume_point(run_dir: str) -> str | None:
+    latest = os.path.join(run_dir, "checkpoints", "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return f.read().strip()
+
+
+# ------------------------------------------------------------------------------------------------- the job
+
+def train(cfg: TrainConfig) -> dict:
+    import deepspeed
+
+    from eagle3.data.dumps import DumpSet, split
+    from eagle3.data.loader import BatchPlan, make_loader
+    from eagle3.data.vocab import build_vocab, load_vocab, save_vocab
+    from eagle3.train.drafter import Eagle3Drafter
+    from eagle3.train.target_weights import load_embedding_and_head
+
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    on_gpu = torch.cuda.is_available()
+    # On CPUs, subnormal floats (softmax tails of a peaked teacher) cost 100x per op: flush them to zero.
+    torch.set_flush_denormal(True)
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    world = D.init_world("cuda" if on_gpu else "cpu")
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if world.is_main else (lambda *a: None)
+    run_dir = cfg.out
+
+    # ---- the contract: dumps agree with each other (DumpSet), with the target, and with a resumed run
+    dumps = D.run_on_main(lambda: DumpSet(cfg.dump, verify=True, progress=cfg.progress), world)
+    if dumps is None:
+        dumps = DumpSet(cfg.dump, verify=False)
+    manifest = dumps.manifest
+    D.run_on_main(lambda: check_target_matches_dumps(cfg.target, manifest), world)
+    train_refs, held_refs = split(dumps.refs, cfg.held_out_fraction, cfg.seed)
+    if not train_refs:
+        raise ValueError("no training samples after the held-out split")
+
+    resume_tag = _resume_point(run_dir) if cfg.resume else None
+    run_path = os.path.join(run_dir, RUN_FILE)
+    if cfg.resume and resume_tag is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}/checkpoints")
+
+    def prepare_run_dir():
+        os.makedirs(run_dir, exist_ok=True)
+        if resume_tag is not None:
+            with open(run_path) as f:
+                old = json.load(f)
+            C.require_same_capture(old["identity"], manifest.identity(), f"the run being resumed ({run_dir})",
+                                   "the dumps given now")
+            if old["world_size"] != world.world_size or old["train"]["zero_stage"] != cfg.zero_stage:
+                raise ValueError(f"--resume: {run_dir} was trained with world size {old['world_size']}, ZeRO "
+                                 f"{old['train']['zero_stage']}; now {world.world_size}, ZeRO {cfg.zero_stage}")
+        elif os.path.isfile(os.path.join(run_dir, "checkpoints", "latest")):
+            raise ValueError(f"{run_dir} already holds a training run: pass --resume, or choose another --out")
+        vocab_path = os.path.join(run_dir, VOCAB_FILE)
+        if not os.path.isfile(vocab_path):
+            if cfg.vocab:
+                vocab = load_vocab(cfg.vocab)
+                ident = vocab["meta"].get("identity")
+                if ident is not None:
+                    C.require_same_capture(ident, manifest.identity(), f"vocab {cfg.vocab}", "the dumps")
+            else:
+                n = drafter_config(cfg, cfg.target, len(manifest.capture.hidden_state_indices)).draft_vocab_size
+                vocab = build_vocab(dumps, train_refs, n, progress=cfg.progress)
+                log(f"[train] draft vocab {n}: coverage {vocab['meta']['coverage']:.2%} of training loss tokens")
+            save_vocab(vocab_path, vocab)
+    D.run_on_main(prepare_run_dir, world)
+    vocab = load_vocab(os.path.join(run_dir, VOCAB_FILE))
+
+    # ---- the model
+    dcfg = drafter_config(cfg, cfg.target, len(manifest.capture.hidden_state_indices))
+    if vocab["d2t"].numel() != dcfg.draft_vocab_size:
+        dcfg.draft_vocab_size = vocab["d2t"].numel()
+    torch.manual_seed(cfg.seed)
+    drafter = Eagle3Drafter(dcfg)
+    embed, head = load_embedding_and_head(cfg.target)
+    drafter.load_target_embedding(embed.float())
+    drafter.set_vocab_map(vocab["d2t"], vocab["t2d"])
+    drafter.activation_checkpointing = cfg.activation_checkpointing
+    model = DrafterTrainStep(drafter, head.float(), cfg)
+    run_record = {"format": "eagle3-run", "identity": manifest.identity(), "capture": vars(manifest.capture),
+                  "target": vars(manifest.target), "standardize": C.STANDARDIZE_VERSION, "vocab": VOCAB_FILE,
+                  "vocab_meta": vocab["meta"], "drafter": dcfg.to_dict(), "train": cfg.to_dict(),
+                  "world_size": world.world_size, "dumps": [os.path.abspath(d) for d in cfg.dump]}
+    if world.is_main and resume_tag is None:
+        with open(run_path, "w") as f:
+            json.dump(run_record, f, indent=1)
+
+    plan = BatchPlan([r.length for r in train_refs], cfg.token_budget, cfg.seed, world.rank, world.world_size)
+    steps_per_epoch = len(plan.epoch(0))
+    total = cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
+    total -= total % cfg.grad_accum
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                            fused=on_gpu or None)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lr_lambda(cfg.warmup_steps, total // cfg.grad_accum, cfg.min_lr_ratio))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                           config=deepspeed_config(cfg, on_gpu))
+    step = 0
+    if resume_tag is not None:
+        _, client = engine.load_checkpoint(os.path.join(run_dir, "checkpoints"), tag=resume_tag)
+        step = client["step"]
+        torch.set_rng_state(torch.tensor(client["rng"]["torch"], dtype=torch.uint8))
+        log(f"[train] resumed {run_dir} at step {step} ({resume_tag})")
+    n_params = sum(p.numel() for p in trainable)
+    log(f"[train] drafter {n_params / 1e6:.1f}M trainable params, draft vocab {dcfg.draft_vocab_size}, "
+        f"capture HF {manifest.capture.hidden_state_indices}; {len(train_refs)} train / {len(held_refs)} held-out "
+        f"samples; {total} micro-steps ({steps_per_epoch}/epoch/rank), world {world.world_size}, ZeRO "
+        f"{cfg.zero_stage}, bf16 {cfg.bf16}")
+
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    device = world.device
+    metrics = MetricsLog(run_dir, cfg, world.is_main)
+
+    def to_device(b):
+        return {k: (v.to(device, dtype=dtype, non_blocking=True) if v.is_floating_point()
+                    else v.to(device, non_blocking=True)) for k, v in b.items()}
+
+    def evaluate() -> dict:
+        eval_plan = BatchPlan([r.length for r in held_refs], cfg.token_budget, cfg.seed, world.rank,
+                              world.world_size, shuffle=False)
+        stats = torch.zeros(3, cfg.ttt_steps, dtype=torch.float64, device=device)
+        engine.eval()
+        n = min(cfg.eval_batches, len(eval_plan.epoch(0)))
+        with torch.no_grad():
+            for b in make_loader(dumps, held_refs, eval_plan, 0, n, num_workers=0):
+                b = to_device(b)
+                _, s = engine(b["hidden_state"], b["input_ids"], b["attention_mask"], b["loss_mask"],
+                              b["target_hidden"])
+                stats += s
+        engine.train()
+        return pooled(all_reduce_sum(stats))
+
+    loader = make_loader(dumps, train_refs, plan, start_step=step, num_steps=total - step,
+                         num_workers=cfg.num_workers, pin_memory=on_gpu)
+    bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=not (cfg.progress and world.is_main),
+               dynamic_ncols=True)
+    engine.train()
+    t_last, tokens_since = time.perf_counter(), 0
+    result: dict = {}
+    for batch in loader:
+        b = to_device(batch)
+        loss, stats = engine(b["hidden_state"], b["input_ids"], b["attention_mask"], b["loss_mask"],
+                             b["target_hidden"])
+        engine.backward(loss)
+        engine.step()
+        step += 1
+        tokens_since += int(batch["attention_mask"].sum())
+        if step % cfg.log_interval == 0 or step == total:
+            red = all_reduce_sum(torch.cat([stats.reshape(-1), loss.detach().double().reshape(1),
+                                            torch.tensor([float(tokens_since)], dtype=torch.float64,
+                                                         device=stats.device)]))
+            dt = time.perf_counter() - t_last
+            rec = {"step": step, "epoch": plan.position(step - 1)[0], "loss": float(red[-2]) / world.world_size,
+                   **pooled(red[:-2].reshape(3, -1)), "tokens": int(red[-1]), "tok_s": float(red[-1]) / dt,
+                   "lr": sched.get_last_lr()[0], "time": time.time()}
+            metrics.write(rec)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc_j'][0]:.2f}", tau=f"{rec['accept_len']:.2f}",
+                            tok_s=f"{rec['tok_s']:,.0f}")
+            result = rec
+            t_last, tokens_since = time.perf_counter(), 0
+        bar.update(1)
+        if held_refs and (step % cfg.eval_interval == 0 or step == total):
+            ev = {"step": step, "split": "eval", **evaluate()}
+            metrics.write(ev)
+            result["eval"] = ev
+            log(f"\n[eval] step {step}: acc_j {[round(a, 3) for a in ev['acc_j']]} accept_len {ev['accept_len']:.3f}")
+        if step % cfg.save_interval == 0 or step == total:
+            save_checkpoint(engine, run_dir, step, cfg, world, run_record)
+        if cfg.stop_after_steps is not None and step >= cfg.stop_after_steps and step < total:
+            bar.close()
+            metrics.close()
+            raise SystemExit(f"stopped at step {step} (--stop-after-steps)")
+    bar.close()
+    metrics.close()
+    log(f"[train] done: {step} steps -> {run_dir}/checkpoints (latest: {_resume_point(run_dir)})")
+    return result
