@@ -66,18 +66,24 @@ def cmd_example_target(a: argparse.Namespace) -> None:
 
 
 def cmd_quickstart(a: argparse.Namespace) -> None:
-    """The main job on the embedded default. Today: the dump stage of the pipeline on the example."""
-    from eagle3.dump.job import DumpConfig, run_dump
-    target, data = resolve_example(EXAMPLE, [EXAMPLE])
-    run_dump(DumpConfig(target=target, data=data, out=f"{a.out}/dump", num_samples=a.num_samples,
-                        max_length=a.max_length, dtype=_default_dtype(a.device), device=a.device))
+    """The main job on the embedded default: dump -> vocab -> train -> export -> eval, then a summary."""
+    from eagle3.quickstart import QuickstartConfig, run_quickstart
+    run_quickstart(QuickstartConfig(out=a.out, num_samples=a.num_samples, max_length=a.max_length,
+                                    train_steps=a.train_steps, token_budget=a.token_budget, draft_steps=a.draft_steps, eval_prompts=a.eval_prompts,
+                                    max_new_tokens=a.max_new_tokens, device=a.device, data=a.data))
 
 
-def _default_dtype(device: str | None) -> str:
-    """bf16 on GPUs; fp32 on CPUs, where bf16 matmuls are several times slower."""
-    import torch
-    on_gpu = device != "cpu" and (device is not None or torch.cuda.is_available())
-    return "bf16" if on_gpu else "fp32"
+def cmd_eval(a: argparse.Namespace) -> None:
+    import json
+    from eagle3.eval.speculative import evaluate
+    target, _ = resolve_example(a.target, [])
+    rep = evaluate(target, a.drafter, a.prompts, draft_steps=a.draft_steps, max_new_tokens=a.max_new_tokens,
+                   num_prompts=a.num_prompts, out=a.out, dtype=a.dtype, device=a.device)
+    keys = ("acceptance_length", "acceptance_rate_per_position", "tokens_per_target_forward", "speedup", "lossless",
+            "capture_indices", "prompts", "generated_tokens")
+    print(json.dumps({k: rep[k] for k in keys}, indent=1))
+    if not rep["lossless"]:
+        raise SystemExit(f"speculative output differs from target-only greedy on {len(rep['mismatches'])} prompts")
 
 
 def cmd_vocab(a: argparse.Namespace) -> None:
@@ -114,6 +120,35 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def cmd_export_sglang(a: argparse.Namespace) -> None:
+    from eagle3.export.sglang import export_drafter
+    prov = export_drafter(a.run, a.out, step=a.step, engine=a.engine, sglang_version=a.sglang_version,
+                          allow_cuda_graph_mismatch=a.allow_cuda_graph_mismatch)
+    where = f"SGLang {prov['sglang_release']}" if prov["engine"] == "sglang" else "vLLM"
+    print(f"exported step {prov['step']} of {a.run} -> {a.out}")
+    print(f"eagle_aux_hidden_state_layer_ids: {prov['eagle_aux_hidden_state_layer_ids']}")
+    print(f"{where} will capture HF {prov['served_capture_indices']} (trained on HF "
+          f"{prov['capture']['hidden_state_indices']})")
+    for note in prov["notes"]:
+        print(f"note: {note}")
+    print(prov["server_command"])
+
+
+def _add_export_sglang(sub) -> None:
+    from eagle3.contract import SGLANG_LATEST
+    p = sub.add_parser("export-sglang", help="export a trained drafter for SGLang (LlamaForCausalLMEagle3) or vLLM")
+    p.add_argument("--run", required=True, help="training run directory (eagle3 train --out)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument("--out", required=True, help="output directory (config.json, model.safetensors, provenance)")
+    p.add_argument("--sglang-version", default=SGLANG_LATEST,
+                   help=f"SGLang release the ids are computed for (default {SGLANG_LATEST})")
+    p.add_argument("--engine", choices=["sglang", "vllm"], default="sglang")
+    p.add_argument("--allow-cuda-graph-mismatch", action="store_true",
+                   help="SGLang <= 0.5.10.post1 with a non-default capture set: export anyway (serve with "
+                        "--disable-cuda-graph)")
+    p.set_defaults(fn=cmd_export_sglang)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="eagle3", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -138,12 +173,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("example-target", help="convert (once) and print the example target directory")
     p.set_defaults(fn=cmd_example_target)
-    p = sub.add_parser("quickstart", help="run the pipeline on the embedded default (SmolLM2-135M + ShareGPT)")
-    p.add_argument("--out", default="runs/quickstart")
-    p.add_argument("--num-samples", type=int, default=256)
-    p.add_argument("--max-length", type=int, default=1024)
+    from eagle3.quickstart import QuickstartConfig
+    q = QuickstartConfig()
+    p = sub.add_parser("quickstart", help="the whole pipeline on the embedded default (SmolLM2-135M + ShareGPT)")
+    p.add_argument("--out", default=q.out)
+    p.add_argument("--num-samples", type=int, default=q.num_samples, help="conversations to dump")
+    p.add_argument("--max-length", type=int, default=q.max_length)
+    p.add_argument("--train-steps", type=int, default=None, help="default: 160 on a CPU, 600 on a GPU")
+    p.add_argument("--token-budget", type=int, default=None, help="padded tokens per training step")
+    p.add_argument("--draft-steps", type=int, default=q.draft_steps, help="chain length in the eval")
+    p.add_argument("--eval-prompts", type=int, default=q.eval_prompts)
+    p.add_argument("--max-new-tokens", type=int, default=q.max_new_tokens)
     p.add_argument("--device", default=None)
+    p.add_argument("--data", default=None, help="a .jsonl of conversations instead of the packaged ShareGPT")
     p.set_defaults(fn=cmd_quickstart)
+    p = sub.add_parser("eval", help="speculative decoding with the target and an exported drafter, as SGLang runs it")
+    p.add_argument("--target", required=True, help="target model directory, or 'example'")
+    p.add_argument("--drafter", required=True, help="export directory (from export-sglang)")
+    p.add_argument("--prompts", required=True, help="conversation file; the first user turn of each is a prompt")
+    p.add_argument("--draft-steps", type=int, default=5)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--out", default=None, help="write eval.json and acceptance.png here")
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--device", default=None)
+    p.set_defaults(fn=cmd_eval)
+    _add_export_sglang(sub)
     return ap
 
 

@@ -9,6 +9,7 @@ import torch
 
 VOCAB = 512  # every tiny tokenizer's ids are below this
 LOGIT_SCALE = 40.0
+LAYER_SCALE = 8.0
 
 LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=64,
              intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -50,6 +51,11 @@ def make_target(path: str, kind: str = "llama", seed: int = 0, tokenizer=None, *
             p.add_(torch.randn_like(p) * 0.02)
         # A peaked next-token distribution (as in a trained LM), so the teacher's argmax means something.
         model.get_output_embeddings().weight.mul_(LOGIT_SCALE)
+        # Layers that move the residual stream a lot, so neighbouring HF indices hold clearly different states
+        # (with init-scale weights every layer is a small perturbation of the embedding).
+        for name, p in model.named_parameters():
+            if ".layers." in name and p.ndim == 2:
+                p.mul_(LAYER_SCALE)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     if tokenizer is None:
@@ -89,3 +95,26 @@ def write_conversations(path, n=12, seed=0, extra_lines=()):
         for line in extra_lines:
             f.write(line + "\n")
     return str(path)
+
+
+def self_distilled_conversations(target: str, source: str, out_path: str, max_new_tokens: int = 32) -> str:
+    """Conversations whose assistant turn is the target's own greedy continuation of the first user turn -- the
+    data a drafter should be trained on to accept well on that target's generations."""
+    from eagle3.dump.conversations import read_conversations
+    from eagle3.dump.targets import load_target, load_tokenizer
+    tok = load_tokenizer(target)
+    model = load_target(target, torch.float32, torch.device("cpu"))
+    with open(out_path, "w") as f:
+        for _, _, messages in read_conversations([source]):
+            user = next(m["content"] for m in messages if m["role"] == "user")
+            ids = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)
+            with torch.no_grad():
+                out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
+            new = out[0, ids["input_ids"].shape[1]:].tolist()
+            special = set(tok.all_special_ids)
+            new = new[: next((i for i, t in enumerate(new) if t in special), len(new))]  # the turn ends there
+            text = tok.decode(new)
+            f.write(json.dumps({"messages": [{"role": "user", "content": user},
+                                             {"role": "assistant", "content": text}]}) + "\n")
+    return out_path

@@ -26,6 +26,7 @@ test that mutates its tokenizer cannot leak into another test.
 from __future__ import annotations
 
 import functools
+import re
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -310,4 +311,20 @@ def make_tokenizer(template: str) -> PreTrainedTokenizerFast:
     )
     tokenizer.chat_template = spec["template"]
     assert len(tokenizer) <= VOCAB_LIMIT, (template, len(tokenizer))
+    return tokenizer
+
+
+def make_word_tokenizer(extra_words=()) -> PreTrainedTokenizerFast:
+    """A ChatML tokenizer whose tokens are whole words and punctuation (WordLevel), so decode -> encode gives back
+    the same ids: text written from a model's own generations re-tokenizes to exactly those generations."""
+    lines = _CORPUS + [SMOLLM2_TEMPLATE] + list(extra_words)
+    words = sorted({w for line in lines for w in re.findall(r"\w+|[^\w\s]", line)})
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + words[: VOCAB_LIMIT - len(specials)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False,
+                                        model_max_length=1 << 20, **_SPECS["chatml"]["roles"])
+    tokenizer.chat_template = SMOLLM2_TEMPLATE
     return tokenizer

@@ -1,0 +1,253 @@
+"""`eagle3 eval`: real speculative decoding with the HF target and an exported drafter, the way SGLang runs it.
+
+The drafter is read ONLY from the export directory (config.json, model.safetensors with d2t); which target hidden
+states feed it is derived from the export's `eagle_aux_hidden_state_layer_ids` with the serving rule of the release
+its provenance names -- never from the training manifest -- so an export with wrong ids shows up here as low
+acceptance, as it would in production. The token embedding is the target's own, as in SGLang.
+
+One round (batch size 1, greedy, chain of K):
+  the target has processed positions < P and produced token x (position P);
+  drafter: K chained steps from its last state -> d1..dK;
+  target: one forward over [x, d1..dK] -> its greedy tokens y0..yK; accept d1..dn while d_i == y_{i-1}, plus y_n;
+  both KV caches are cropped to the accepted positions; the drafter re-reads the target's aux states at the newly
+  accepted positions (step 0, "extend") before drafting again.
+The output must equal target-only greedy decoding token for token (checked and reported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from eagle3.dump.capture import HiddenStateCapture
+
+
+@dataclass
+class SpecStats:
+    draft_steps: int
+    verify_steps: int = 0
+    round_tokens: int = 0      # accepted drafts + the target's bonus token, summed over verify steps
+    target_forwards: int = 0
+    new_tokens: int = 0
+    reached: list[int] = field(default_factory=list)   # per draft position i: rounds that got as far as i
+    accepted: list[int] = field(default_factory=list)  # per draft position i: rounds that accepted draft i
+
+    def __post_init__(self):
+        self.reached = self.reached or [0] * self.draft_steps
+        self.accepted = self.accepted or [0] * self.draft_steps
+
+    def add_round(self, n_accepted: int) -> None:
+        self.verify_steps += 1
+        self.round_tokens += n_accepted + 1
+        for i in range(min(n_accepted + 1, self.draft_steps)):
+            self.reached[i] += 1
+        for i in range(n_accepted):
+            self.accepted[i] += 1
+
+    def merge(self, o: "SpecStats") -> None:
+        self.verify_steps += o.verify_steps
+        self.round_tokens += o.round_tokens
+        self.target_forwards += o.target_forwards
+        self.new_tokens += o.new_tokens
+        self.reached = [a + b for a, b in zip(self.reached, o.reached)]
+        self.accepted = [a + b for a, b in zip(self.accepted, o.accepted)]
+
+
+def load_drafter_from_export(export_dir: str, target_embedding: torch.Tensor, dtype: torch.dtype,
+                             device: torch.device):
+    """An Eagle3Drafter built from the export alone (plus the target's embedding, which SGLang shares)."""
+    from eagle3.export.sglang import load_export
+    from eagle3.train.drafter import DrafterConfig, Eagle3Drafter
+    config, tensors, _ = load_export(export_dir)
+    fields = {f for f in DrafterConfig.__dataclass_fields__}
+    d = {k: v for k, v in config.items() if k in fields}
+    d["num_aux_layers"] = tensors["fc.weight"].shape[1] // config["target_hidden_size"]
+    drafter = Eagle3Drafter(DrafterConfig(**d))
+    missing, unexpected = drafter.load_state_dict(tensors, strict=False)
+    if set(missing) != {"embed_tokens.weight"} or unexpected:
+        raise ValueError(f"{export_dir}: export does not fit the drafter (missing {missing}, unexpected {unexpected})")
+    drafter.load_target_embedding(target_embedding.detach().float())
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+class SpeculativeDecoder:
+    def __init__(self, target, backbone, drafter, capture_indices: list[int], eos_ids: set[int]):
+        self.target, self.backbone, self.drafter = target, backbone, drafter
+        self.indices = list(capture_indices)
+        self.eos = set(eos_ids)
+        self.device = next(target.parameters()).device
+
+    def _target_forward(self, ids: torch.Tensor, cache, cap: HiddenStateCapture):
+        from transformers import DynamicCache
+        cache = cache if cache is not None else DynamicCache(config=self.target.config)
+        out = self.target(input_ids=ids, cache=cache, use_cache=True)
+        aux = torch.cat([cap.states[k] for k in self.indices], dim=-1)
+        return out.logits[0].argmax(-1), aux, cache
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], max_new: int) -> tuple[list[int], int]:
+        """Target-only greedy decoding with a KV cache (the baseline). Returns (tokens, target forwards)."""
+        from transformers import DynamicCache
+        ids = torch.tensor([prompt], device=self.device)
+        cache, out_tokens, forwards = DynamicCache(config=self.target.config), [], 0
+        while len(out_tokens) < max_new:
+            logits = self.target(input_ids=ids, cache=cache, use_cache=True).logits
+            forwards += 1
+            tok = int(logits[0, -1].argmax())
+            out_tokens.append(tok)
+            if tok in self.eos:
+                break
+            ids = torch.tensor([[tok]], device=self.device)
+        return out_tokens, forwards
+
+    @torch.no_grad()
+    def generate(self, prompt: list[int], max_new: int, K: int) -> tuple[list[int], SpecStats]:
+        dr, dev = self.drafter, self.device
+        stats = SpecStats(K)
+        with HiddenStateCapture(self.backbone, self.indices) as cap:
+            ids = torch.tensor([prompt], device=dev)
+            y, aux, tcache = self._target_forward(ids, None, cap)
+            stats.target_forwards += 1
+            x = int(y[-1])                     # token at position P
+            out_tokens = [x]
+            P = len(prompt)
+            # drafter step 0 over the prompt: position t reads aux[t] and token t+1
+            nxt = torch.tensor([prompt[1:] + [x]], device=dev)
+            m, dcache = dr.forward_step(dr.project_aux(aux), nxt, torch.arange(P, device=dev)[None], None)
+            committed = P                      # positions whose step-0 drafter K/V is in dcache
+            while x not in self.eos and len(out_tokens) < max_new:
+                # chain drafting from the last committed position
+                h, cache, drafts = m[:, -1:], dcache, []
+                for j in range(K):
+                    d = int(dr.draft_logits(h)[0, -1].argmax())
+                    drafts.append(d + int(dr.d2t[d]))
+                    if j + 1 < K:
+                        pos = torch.tensor([[committed + j]], device=dev)
+                        h, cache = dr.forward_step(h, torch.tensor([[drafts[-1]]], device=dev), pos, cache)
+                # verify [x, d1..dK] at positions P..P+K in one target forward
+                y, aux, tcache = self._target_forward(torch.tensor([[x] + drafts], device=dev), tcache, cap)
+                stats.target_forwards += 1
+                y = y.tolist()
+                n = 0
+                while n < K and drafts[n] == y[n]:
+                    n += 1
+                stats.add_round(n)
+                new = drafts[:n] + [y[n]]
+                if n < K:  # drop the target K/V of the rejected drafts (transformers' crop takes a count to drop)
+                    tcache.crop(-(K - n))
+                # drafter: drop the chain's K/V, re-read the accepted positions with the target's aux states
+                dcache = tuple(t[:, :, :committed] for t in dcache)
+                nxt = torch.tensor([new], device=dev)
+                pos = torch.arange(committed, committed + n + 1, device=dev)[None]
+                m, dcache = dr.forward_step(dr.project_aux(aux[:, : n + 1]), nxt, pos, dcache)
+                committed += n + 1
+                P += n + 1
+                x = new[-1]
+                for t in new:
+                    out_tokens.append(t)
+                    if t in self.eos or len(out_tokens) >= max_new:
+                        break
+                if out_tokens[-1] in self.eos or len(out_tokens) >= max_new:
+                    break
+        out_tokens = out_tokens[:max_new]
+        stats.new_tokens = len(out_tokens)
+        return out_tokens, stats
+
+
+def read_prompts(path: str, tokenizer, num_prompts: int | None) -> list[list[int]]:
+    """First user turn of each conversation, rendered with the chat template and a generation prompt."""
+    from eagle3.dump.conversations import read_conversations
+    prompts = []
+    for _, _, messages in read_conversations([path]):
+        users = [m for m in messages if m["role"] == "user" and m["content"].strip()]
+        if not users:
+            continue
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": users[0]["content"]}],
+                                            add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        prompts.append(list(ids))
+        if num_prompts and len(prompts) >= num_prompts:
+            break
+    if not prompts:
+        raise ValueError(f"{path}: no conversation with a user turn to use as a prompt")
+    return prompts
+
+
+def plot_acceptance(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rates = report["acceptance_rate_per_position"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(range(1, len(rates) + 1), rates, color="#4472c4")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate (given reached)")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"acceptance length {report['acceptance_length']:.2f}, K={report['draft_steps']}, "
+                 f"speedup {report['speedup']:.2f}x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: int = 5, max_new_tokens: int = 128,
+             num_prompts: int | None = 20, out: str | None = None, dtype: str = "fp32", device: str | None = None,
+             progress: bool = True) -> dict:
+    from eagle3.dump.targets import DTYPES, find_backbone, load_target, load_tokenizer, target_info
+    from eagle3.export.sglang import capture_indices_of_export
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tdtype = DTYPES[dtype]
+    info = target_info(target_dir)
+    indices = capture_indices_of_export(export_dir, info.num_hidden_layers)
+    tokenizer = load_tokenizer(target_dir)
+    target = load_target(target_dir, tdtype, dev)
+    backbone = find_backbone(target, info.num_hidden_layers)
+    drafter = load_drafter_from_export(export_dir, target.get_input_embeddings().weight, tdtype, dev)
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    dec = SpeculativeDecoder(target, backbone, drafter, indices, eos)
+    prompts = read_prompts(prompts_file, tokenizer, num_prompts)
+
+    total = SpecStats(draft_steps)
+    spec_time = base_time = 0.0
+    base_forwards = base_tokens = 0
+    mismatches = []
+    for i, p in enumerate(tqdm(prompts, desc="eval", unit="prompt", disable=not progress)):
+        t0 = time.perf_counter()
+        ref, fwd = dec.greedy(p, max_new_tokens)
+        base_time += time.perf_counter() - t0
+        base_forwards += fwd
+        base_tokens += len(ref)
+        t0 = time.perf_counter()
+        got, st = dec.generate(p, max_new_tokens, draft_steps)
+        spec_time += time.perf_counter() - t0
+        total.merge(st)
+        if got != ref:
+            first = next((k for k, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+            mismatches.append({"prompt": i, "first_difference_at": first, "spec_len": len(got), "ref_len": len(ref)})
+    report = {
+        "target": os.path.abspath(target_dir), "export": os.path.abspath(export_dir), "prompts_file": prompts_file,
+        "prompts": len(prompts), "draft_steps": draft_steps, "max_new_tokens": max_new_tokens,
+        "capture_indices": indices, "dtype": dtype, "device": str(dev),
+        "acceptance_length": total.round_tokens / max(total.verify_steps, 1),
+        "acceptance_rate_per_position": [a / r if r else 0.0 for a, r in zip(total.accepted, total.reached)],
+        "verify_steps": total.verify_steps, "generated_tokens": total.new_tokens,
+        "tokens_per_target_forward": total.new_tokens / max(total.target_forwards, 1),
+        "baseline_tokens_per_target_forward": base_tokens / max(base_forwards, 1),
+        "spec_time_s": spec_time, "baseline_time_s": base_time,
+        "speedup": base_time / spec_time if spec_time else 0.0,
+        "lossless": not mismatches, "mismatches": mismatches,
+    }
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "eval.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        plot_acceptance(report, os.path.join(out, "acceptance.png"))
+    return report

@@ -1,0 +1,1 @@
+"""Export a trained drafter for serving (SGLang's LlamaForCausalLMEagle3, or vLLM)."""

@@ -1,0 +1,426 @@
+"""Export a trained drafter as the checkpoint SGLang's `LlamaForCausalLMEagle3` loads (contract sections 2-3).
+
+    eagle3 export-sglang --run RUN --out DIR [--step N] [--sglang-version 0.5.23] [--engine sglang|vllm]
+
+DIR/ holds
+  config.json              every key SGLang reads, set explicitly; eagle_config.eagle_aux_hidden_state_layer_ids
+                           computed from the checkpoint's recorded capture with the serving rules of
+                           `eagle3.contract` for the target family and the SGLang release targeted;
+  model.safetensors        exactly the section-3 names (fc, midlayer.*, norm, lm_head in bf16; d2t int64; t2d bool);
+  eagle3_provenance.json   what was exported from where, for which engine/release, and what that server captures.
+
+Everything is checked before anything is written; the files go to a temporary directory that is renamed into place,
+so a refused or failed export leaves no half-written DIR.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+from eagle3 import contract as C
+
+EXPORT_FORMAT = "eagle3-export"
+EXPORT_FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+PROVENANCE_FILE = "eagle3_provenance.json"
+EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, PROVENANCE_FILE)
+ENGINES = ("sglang", "vllm")
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+EXPORT_DTYPE = torch.bfloat16
+CHECKPOINTS_DIR = "checkpoints"
+
+NOT_PORTABLE = ("explicit eagle_aux_hidden_state_layer_ids are NOT portable between SGLang and vLLM: vLLM reads them "
+                "as HF hidden_states indices, SGLang shifts them by a family- and release-dependent rule")
+
+
+class ExportError(ValueError):
+    """The export cannot be done as asked (missing checkpoint, occupied output directory, ...)."""
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: not found")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise C.ContractError(f"{path}: not valid JSON ({e})") from e
+
+
+def find_checkpoint(run_dir: str, step: int | None = None) -> tuple[str, int]:
+    """(checkpoint directory, step): the given step, else the newest one holding the consolidated drafter."""
+    from eagle3.train.trainer import CKPT_FILE, WEIGHTS_FILE as DRAFTER_WEIGHTS
+    root = os.path.join(run_dir, CHECKPOINTS_DIR)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"{run_dir}: no {CHECKPOINTS_DIR}/ (not an eagle3 training run, or no checkpoint yet)")
+
+    def complete(tag: str) -> bool:
+        d = os.path.join(root, tag)
+        return os.path.isfile(os.path.join(d, CKPT_FILE)) and os.path.isfile(os.path.join(d, DRAFTER_WEIGHTS))
+
+    tags = sorted(t for t in os.listdir(root) if t.startswith("step") and t[4:].isdigit())
+    if step is not None:
+        tag = f"step{int(step):08d}"
+        if tag not in tags or not complete(tag):
+            raise FileNotFoundError(f"{run_dir}: no complete checkpoint for step {step} (have: "
+                                    f"{', '.join(str(int(t[4:])) for t in tags if complete(t)) or 'none'})")
+        return os.path.join(root, tag), int(step)
+    done = [t for t in tags if complete(t)]
+    if not done:
+        raise FileNotFoundError(f"{run_dir}: no checkpoint with {DRAFTER_WEIGHTS} and {CKPT_FILE}")
+    if tags[-1] != done[-1]:
+        print(f"[export] note: {tags[-1]} is incomplete (no {DRAFTER_WEIGHTS}/{CKPT_FILE}); using {done[-1]}",
+              file=sys.stderr)
+    return os.path.join(root, done[-1]), int(done[-1][4:])
+
+
+def expected_shapes(*, hidden_size: int, num_attention_heads: int, num_key_value_heads: int, head_dim: int,
+                    intermediate_size: int, vocab_size: int, draft_vocab_size: int, target_hidden_size: int,
+                    num_aux_layers: int) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor SGLang's LlamaForCausalLMEagle3 loads (contract section 3)."""
+    H, I = hidden_size, intermediate_size
+    q, kv = num_attention_heads * head_dim, num_key_value_heads * head_dim
+    return {
+        "fc.weight": (H, num_aux_layers * target_hidden_size),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, q),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.mlp.gate_proj.weight": (I, H),
+        "midlayer.mlp.up_proj.weight": (I, H),
+        "midlayer.mlp.down_proj.weight": (H, I),
+        "norm.weight": (H,),
+        "lm_head.weight": (draft_vocab_size, H),
+        "d2t": (draft_vocab_size,),
+        "t2d": (vocab_size,),
+    }
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], source: str,
+                  float_dtype: torch.dtype | None = None) -> None:
+    """Exactly the expected names, shapes and dtypes (floats: any float, or `float_dtype`; d2t int64; t2d bool),
+    finite weights, and d2t consistent with t2d. ContractError naming every problem otherwise."""
+    from eagle3.train.drafter import EXPORT_KEYS
+    assert set(shapes) == set(EXPORT_KEYS)
+    problems = []
+    missing, unknown = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
+    if missing:
+        problems.append(f"missing tensors {missing}")
+    if unknown:
+        problems.append(f"unknown tensors {unknown} (SGLang <= 0.5.11 silently drops names it does not know)")
+    for name, shape in shapes.items():
+        t = tensors.get(name)
+        if t is None:
+            continue
+        if tuple(t.shape) != tuple(shape):
+            problems.append(f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)}")
+        if name == "d2t":
+            if t.dtype != torch.int64:
+                problems.append(f"d2t: dtype {t.dtype}, expected torch.int64")
+        elif name == "t2d":
+            if t.dtype != torch.bool:
+                problems.append(f"t2d: dtype {t.dtype}, expected torch.bool")
+        elif not t.is_floating_point() or (float_dtype is not None and t.dtype != float_dtype):
+            problems.append(f"{name}: dtype {t.dtype}, expected {float_dtype or 'a floating dtype'}")
+        elif not bool(torch.isfinite(t).all()):
+            problems.append(f"{name}: holds NaN or inf")
+    d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
+    if (d2t is not None and t2d is not None and d2t.dtype == torch.int64 and t2d.dtype == torch.bool
+            and d2t.dim() == 1 and t2d.dim() == 1):
+        target_ids = torch.arange(d2t.numel()) + d2t
+        marked = t2d.nonzero().squeeze(-1)
+        if not torch.equal(target_ids, marked):
+            problems.append(f"d2t and t2d disagree: draft id i must map to the i-th target id marked in t2d "
+                            f"({int(t2d.sum())} marked, {d2t.numel()} draft ids)")
+    if problems:
+        raise C.ContractError(f"{source}: refusing to export:\n  " + "\n  ".join(problems))
+
+
+def _load_run(run_dir: str, step: int | None):
+    """(run record, checkpoint record, checkpoint dir, step, DrafterConfig, capture, TargetInfo, weights)."""
+    from safetensors.torch import load_file
+    from eagle3.train.drafter import DrafterConfig
+    from eagle3.train.trainer import CKPT_FILE, RUN_FILE, VOCAB_FILE, WEIGHTS_FILE as DRAFTER_WEIGHTS
+
+    run = _read_json(os.path.join(run_dir, RUN_FILE))
+    if run.get("format") != "eagle3-run":
+        raise C.ContractError(f"{run_dir}/{RUN_FILE}: not an eagle3 training run (format={run.get('format')!r})")
+    ckpt_dir, step = find_checkpoint(run_dir, step)
+    rec = _read_json(os.path.join(ckpt_dir, CKPT_FILE))
+    C.require_same_capture(run.get("identity", {}), rec.get("identity", {}), f"{run_dir}/{RUN_FILE}",
+                           f"{ckpt_dir}/{CKPT_FILE}")
+    if rec.get("step") is not None and int(rec["step"]) != step:
+        raise C.ContractError(f"{ckpt_dir}/{CKPT_FILE}: records step {rec['step']}, directory says {step}")
+    try:
+        target = C.TargetInfo(**rec["target"])
+        cap = C.CaptureSpec(**rec["capture"])
+        dcfg = DrafterConfig.from_dict(rec["drafter"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise C.ContractError(f"{ckpt_dir}/{CKPT_FILE}: malformed checkpoint record ({e})") from e
+    if cap.convention != "hf_hidden_states_index":
+        raise C.ContractError(f"{ckpt_dir}/{CKPT_FILE}: capture convention {cap.convention!r} is not "
+                              "'hf_hidden_states_index'")
+    capture = C.validate_indices(cap.hidden_state_indices, target.num_hidden_layers)
+    if capture != list(cap.hidden_state_indices) or capture != rec["identity"]["capture.hidden_state_indices"]:
+        raise C.ContractError(f"{ckpt_dir}/{CKPT_FILE}: capture {cap.hidden_state_indices} is not ascending or "
+                              f"disagrees with the run identity {rec['identity'].get('capture.hidden_state_indices')}")
+    if rec.get("standardize") != C.STANDARDIZE_VERSION:
+        raise C.ContractError(f"{ckpt_dir}/{CKPT_FILE}: trained on standardize {rec.get('standardize')!r}; this "
+                              f"exporter knows {C.STANDARDIZE_VERSION!r} (aux states concatenated low -> high)")
+    if dcfg.num_aux_layers != len(capture):
+        raise C.ContractError(f"drafter num_aux_layers={dcfg.num_aux_layers} but the checkpoint records "
+                              f"{len(capture)} captured states (HF {capture})")
+    if dcfg.target_hidden_size != target.hidden_size or dcfg.vocab_size != target.vocab_size:
+        raise C.ContractError(f"drafter target_hidden_size/vocab_size {dcfg.target_hidden_size}/{dcfg.vocab_size} "
+                              f"!= target hidden_size/vocab_size {target.hidden_size}/{target.vocab_size}")
+    weights = load_file(os.path.join(ckpt_dir, DRAFTER_WEIGHTS))
+    check_tensors(weights, expected_shapes(**_shape_args(dcfg)), f"{ckpt_dir}/{DRAFTER_WEIGHTS}")
+    vocab_path = os.path.join(run_dir, VOCAB_FILE)
+    if os.path.isfile(vocab_path):
+        from safetensors import safe_open
+        with safe_open(vocab_path, "pt") as f:
+            if not (torch.equal(f.get_tensor("d2t"), weights["d2t"]) and torch.equal(f.get_tensor("t2d"),
+                                                                                      weights["t2d"])):
+                raise C.ContractError(f"{ckpt_dir}/{DRAFTER_WEIGHTS}: d2t/t2d differ from the run's {vocab_path}")
+    return run, rec, ckpt_dir, step, dcfg, capture, target, weights
+
+
+def _shape_args(dcfg) -> dict:
+    return dict(hidden_size=dcfg.hidden_size, num_attention_heads=dcfg.num_attention_heads,
+                num_key_value_heads=dcfg.num_key_value_heads, head_dim=dcfg.head_dim,
+                intermediate_size=dcfg.intermediate_size, vocab_size=dcfg.vocab_size,
+                draft_vocab_size=dcfg.draft_vocab_size, target_hidden_size=dcfg.target_hidden_size,
+                num_aux_layers=dcfg.num_aux_layers)
+
+
+# ---------------------------------------------------------------------------------------------- the export
+
+def draft_config(dcfg, ids: list[int]) -> dict:
+    """config.json of the exported drafter: every key SGLang (and vLLM) read, explicit (contract section 3)."""
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": dcfg.hidden_size,
+        "num_attention_heads": dcfg.num_attention_heads,
+        "num_key_value_heads": dcfg.num_key_value_heads,
+        "head_dim": dcfg.head_dim,
+        "intermediate_size": dcfg.intermediate_size,
+        "hidden_act": dcfg.hidden_act,
+        "rms_norm_eps": dcfg.rms_norm_eps,
+        "rope_theta": dcfg.rope_theta,
+        "rope_scaling": dcfg.rope_scaling,
+        "max_position_embeddings": dcfg.max_position_embeddings,
+        "vocab_size": dcfg.vocab_size,
+        "draft_vocab_size": dcfg.draft_vocab_size,
+        "target_hidden_size": dcfg.target_hidden_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(ids), "use_aux_hidden_state": True},
+    }
+
+
+def server_command(engine: str, target_path: str, export_dir: str, model_type: str = "",
+                   disable_cuda_graph: bool = False) -> str:
+    """The launch line hint for the exported drafter (chain drafting, 3 steps)."""
+    q = shlex.quote
+    if engine == "vllm":
+        spec = json.dumps({"method": "eagle3", "model": export_dir, "num_speculative_tokens": 3})
+        return f"vllm serve {q(target_path)} --speculative-config {q(spec)}"
+    cmd = (f"python -m sglang.launch_server --model-path {q(target_path)} --speculative-algorithm EAGLE3 "
+           f"--speculative-draft-model-path {q(export_dir)} --speculative-num-steps 3 --speculative-eagle-topk 1 "
+           f"--speculative-num-draft-tokens 4")
+    if model_type in ("kimi_k2", "kimi_k25"):
+        cmd += " --trust-remote-code"
+    if disable_cuda_graph:
+        cmd += " --disable-cuda-graph"
+    return cmd
+
+
+def _is_previous_export(path: str) -> bool:
+    entries = set(os.listdir(path))
+    if not entries <= set(EXPORT_FILES) or PROVENANCE_FILE not in entries:
+        return False
+    try:
+        with open(os.path.join(path, PROVENANCE_FILE)) as f:
+            return json.load(f).get("format") == EXPORT_FORMAT
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: str = "sglang",
+                   sglang_version: str = C.SGLANG_LATEST, allow_cuda_graph_mismatch: bool = False) -> dict:
+    """Export checkpoint `step` (default: the latest) of training run `run_dir` into `out_dir`; returns the
+    provenance written to out_dir/eagle3_provenance.json."""
+    from safetensors.torch import save_file
+    from eagle3.train.drafter import EXPORT_KEYS
+
+    if engine not in ENGINES:
+        raise ExportError(f"engine must be one of {ENGINES}, got {engine!r}")
+    out = os.path.abspath(out_dir)
+    if os.path.exists(out):
+        if not os.path.isdir(out):
+            raise ExportError(f"{out} exists and is not a directory")
+        if os.listdir(out) and not _is_previous_export(out):
+            raise ExportError(f"{out} is not empty and is not a previous eagle3 export: choose another --out")
+
+    run, rec, ckpt_dir, step, dcfg, capture, target, weights = _load_run(run_dir, step)
+    L = target.num_hidden_layers
+    notes: list[str] = []
+    release = family = None
+    default = None
+    if engine == "sglang":
+        release = str(C.check_release(sglang_version))
+        family = C.serving_family(target.model_type)
+        ids = C.sglang_ids_for(capture, target.model_type, release, L)
+        served = C.sglang_capture_indices(ids, target.model_type, release, L)
+        reproducing = C.sglang_releases_reproducing(ids, capture, target.model_type, L)
+        disable_cg = C.needs_disable_cuda_graph(capture, release, L)
+        if disable_cg:
+            default = sorted(C.sglang_default_capture(L))
+            msg = (f"SGLang {release} (<= {C.SGLANG_CUDA_GRAPH_DEFAULT_UNTIL}) captures the DEFAULT HF {default} in "
+                   f"its CUDA-graph decode/verify passes whatever the config says, but this drafter was trained on HF "
+                   f"{capture}")
+            if not allow_cuda_graph_mismatch:
+                raise C.ContractError(f"{msg}. Target SGLang >= 0.5.11, or pass allow_cuda_graph_mismatch "
+                                      "(--allow-cuda-graph-mismatch) and serve with --disable-cuda-graph")
+            print(f"[export] {msg}: the server MUST run with --disable-cuda-graph", file=sys.stderr)
+            notes.append(f"{msg}: serve with --disable-cuda-graph")
+    else:
+        ids = C.vllm_ids_for(capture, L)
+        served = C.vllm_capture_indices(ids, L)
+        reproducing, disable_cg = None, False
+        notes.append(NOT_PORTABLE)
+    if served != capture:  # the forward rule of the engine gives back exactly what the drafter was trained on
+        raise C.ContractError(f"internal: ids {ids} make {engine} capture {served}, not the trained HF {capture}")
+
+    tensors = {k: (weights[k].to(EXPORT_DTYPE) if weights[k].is_floating_point() else weights[k]).contiguous()
+               for k in EXPORT_KEYS}
+    shapes = expected_shapes(**_shape_args(dcfg))
+    check_tensors(tensors, shapes, "the converted tensors", float_dtype=EXPORT_DTYPE)
+    config = draft_config(dcfg, ids)
+    provenance = {
+        "format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION,
+        "engine": engine,
+        "sglang_release": release,
+        "serving_family": family,
+        "capture": {"hidden_state_indices": capture, "convention": "hf_hidden_states_index"},
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "served_capture_indices": served,
+        "ids_reproduce_capture_in_sglang": (None if reproducing is None
+                                            else [{"first": a, "last": b} for a, b in reproducing]),
+        "needs_disable_cuda_graph": disable_cg,
+        "cuda_graph_default_capture": default,
+        "server_command": server_command(engine, target.path, out, target.model_type, disable_cg),
+        "target": {"architecture": target.architecture, "model_type": target.model_type,
+                   "config_sha256": target.config_sha256, "num_hidden_layers": L,
+                   "hidden_size": target.hidden_size, "vocab_size": target.vocab_size, "path": target.path},
+        "identity": rec["identity"],
+        "run_dir": os.path.abspath(run_dir),
+        "step": step,
+        "checkpoint": os.path.abspath(ckpt_dir),
+        "standardize": rec["standardize"],
+        "drafter": dcfg.to_dict(),
+        "vocab": {k: rec.get("vocab_meta", {}).get(k) for k in ("draft_vocab_size", "coverage")},
+        "notes": notes,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    try:
+        save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
+        provenance["model_safetensors_sha256"] = _sha256_file(os.path.join(tmp, WEIGHTS_FILE))
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            json.dump(config, f, indent=2)
+        with open(os.path.join(tmp, PROVENANCE_FILE), "w") as f:
+            json.dump(provenance, f, indent=1)
+        # Read back what was written, as a server would.
+        load_export(tmp)
+        if capture_indices_of_export(tmp, L) != capture:
+            raise C.ContractError(f"internal: the written export does not capture HF {capture}")
+        if os.path.exists(out):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
+            os.rename(out, os.path.join(old, "x"))
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return provenance
+
+
+# ---------------------------------------------------------------------------------------------- reading back
+
+def load_export(export_dir: str) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    """(config, tensors, provenance) of an export, after checking names, shapes and dtypes against its config."""
+    from safetensors.torch import load_file
+    config = _read_json(os.path.join(export_dir, CONFIG_FILE))
+    provenance = _read_json(os.path.join(export_dir, PROVENANCE_FILE))
+    if provenance.get("format") != EXPORT_FORMAT or provenance.get("format_version") != EXPORT_FORMAT_VERSION:
+        raise C.ContractError(f"{export_dir}: not an {EXPORT_FORMAT} v{EXPORT_FORMAT_VERSION} export")
+    if config.get("architectures") != [ARCHITECTURE] or config.get("num_hidden_layers") != 1:
+        raise C.ContractError(f"{export_dir}/{CONFIG_FILE}: expected architectures [{ARCHITECTURE}] and 1 layer")
+    tensors = load_file(os.path.join(export_dir, WEIGHTS_FILE))
+    try:
+        shapes = expected_shapes(
+            hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
+            num_key_value_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
+            intermediate_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+            draft_vocab_size=config["draft_vocab_size"], target_hidden_size=config["target_hidden_size"],
+            num_aux_layers=len(provenance["capture"]["hidden_state_indices"]))
+    except KeyError as e:
+        raise C.ContractError(f"{export_dir}: config or provenance lacks {e}") from e
+    check_tensors(tensors, shapes, f"{export_dir}/{WEIGHTS_FILE}", float_dtype=EXPORT_DTYPE)
+    return config, tensors, provenance
+
+
+def capture_indices_of_export(export_dir: str, num_layers: int, sglang_version: str | None = None) -> list[int]:
+    """What a server would capture (HF indices, ascending) for this export on a `num_layers`-layer target: the
+    forward rule of the provenance's engine / SGLang release (or `sglang_version`, the release actually served)
+    / target model_type, applied to config.json's ids. Reads only the export, never a training manifest."""
+    config = _read_json(os.path.join(export_dir, CONFIG_FILE))
+    prov = _read_json(os.path.join(export_dir, PROVENANCE_FILE))
+    if prov.get("format") != EXPORT_FORMAT:
+        raise C.ContractError(f"{export_dir}: not an {EXPORT_FORMAT} export")
+    recorded = prov["target"]["num_hidden_layers"]
+    if int(num_layers) != int(recorded):
+        raise C.ContractError(f"{export_dir} was exported for a {recorded}-layer target "
+                              f"({prov['target']['model_type']}), asked about a {num_layers}-layer one")
+    eagle = config.get("eagle_config") or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if prov["engine"] == "vllm":
+        if ids is None:
+            ids = config.get("eagle_aux_hidden_state_layer_ids")
+        return C.vllm_capture_indices(ids, num_layers)
+    if prov["engine"] != "sglang":
+        raise C.ContractError(f"{export_dir}: unknown engine {prov['engine']!r}")
+    release = sglang_version or prov["sglang_release"]
+    return C.sglang_capture_indices(ids, prov["target"]["model_type"], release, num_layers)

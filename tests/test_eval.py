@@ -1,0 +1,89 @@
+"""eval: real speculative decoding with a tiny target and its trained, exported drafter."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from eagle3.eval.speculative import SpecStats, evaluate
+
+
+@pytest.fixture(scope="module")
+def word_target(tmp_path_factory):
+    """A tiny Llama whose tokenizer has whole-word tokens only (and a vocab of exactly those), so text written
+    from its own generations re-tokenizes to the same ids."""
+    from tiny import WORDS, make_target
+    from tiny_tokenizers import make_word_tokenizer
+    tok = make_word_tokenizer(WORDS)
+    return make_target(str(tmp_path_factory.mktemp("word_target")), "llama", tokenizer=tok, vocab_size=len(tok))
+
+
+@pytest.fixture(scope="module")
+def distilled(word_target, convs, tmp_path_factory):
+    """The conversations' first user turns answered by the tiny target itself (greedy): the data a drafter is
+    trained on to accept well on its target's generations."""
+    from tiny import self_distilled_conversations
+    return self_distilled_conversations(word_target, convs, str(tmp_path_factory.mktemp("distilled") / "c.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def trained_export(word_target, distilled, tmp_path_factory):
+    """A drafter over-fitted on the tiny Llama target's own answers, exported for SGLang."""
+    from eagle3.dump.job import DumpConfig, run_dump
+    from eagle3.export.sglang import export_drafter
+    from eagle3.train.config import TrainConfig
+    from eagle3.train.trainer import train
+    root = tmp_path_factory.mktemp("e2e")
+    dump = str(root / "dump")
+    run_dump(DumpConfig(target=word_target, data=[distilled], out=dump, layers=[1, 3, 4], dtype="fp32",
+                        progress=False))
+    vocab = json.load(open(os.path.join(word_target, "config.json")))["vocab_size"]
+    train(TrainConfig(dump=[dump], target=word_target, out=str(root / "run"), drafter="tiny",
+                      draft_vocab_size=vocab, bf16=False, max_steps=250, token_budget=4096, lr=3e-3, warmup_steps=10,
+                      held_out_fraction=0.0, save_interval=1000, num_workers=0, progress=False,
+                      wandb_mode="disabled"))
+    export = str(root / "export")
+    export_drafter(str(root / "run"), export)
+    return export
+
+
+def _eval(target, export, prompts, **kw):
+    kw = {"draft_steps": 4, "max_new_tokens": 24, "num_prompts": 6, "progress": False, **kw}
+    return evaluate(target, export, prompts, **kw)
+
+
+def test_speculative_decoding_is_lossless_and_accepts(word_target, distilled, trained_export, tmp_path):
+    rep = _eval(word_target, trained_export, distilled, out=str(tmp_path / "eval"))
+    assert rep["lossless"], rep["mismatches"]
+    assert rep["capture_indices"] == [1, 3, 4]     # derived from the export's ids with the SGLang rule
+    assert rep["acceptance_length"] > 3.0, rep
+    assert rep["tokens_per_target_forward"] > 2.0
+    assert len(rep["acceptance_rate_per_position"]) == 4
+    assert json.load(open(tmp_path / "eval" / "eval.json"))["acceptance_length"] == rep["acceptance_length"]
+    assert (tmp_path / "eval" / "acceptance.png").stat().st_size > 1000
+
+
+def test_an_export_with_shifted_ids_accepts_clearly_less(word_target, distilled, trained_export, tmp_path):
+    """The lesson this project exists for: serve the drafter other hidden states and acceptance collapses."""
+    wrong = str(tmp_path / "wrong")
+    shutil.copytree(trained_export, wrong)
+    cfg_path = os.path.join(wrong, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [
+        i + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+    json.dump(cfg, open(cfg_path, "w"))
+    right = _eval(word_target, trained_export, distilled)
+    shifted = _eval(word_target, wrong, distilled)
+    assert shifted["capture_indices"] == [2, 4, 5]
+    assert shifted["lossless"]                      # still correct output, only slower
+    assert shifted["acceptance_length"] < right["acceptance_length"] - 1.0, (shifted, right)
+
+
+def test_spec_stats_pooling():
+    s = SpecStats(3)
+    for n in (3, 0, 1, 3):
+        s.add_round(n)
+    assert s.verify_steps == 4 and s.round_tokens == (3 + 1) + 1 + 2 + 4
+    assert s.reached == [4, 3, 2] and s.accepted == [3, 2, 2]   # n=1 reaches draft 2, n=0 only draft 1

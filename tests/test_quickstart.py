@@ -1,0 +1,22 @@
+"""The main job on the embedded default, at a reduced size: every stage runs and the export loads."""
+
+import json
+import os
+
+import pytest
+
+
+@pytest.mark.slow
+def test_quickstart_reduced(tmp_path):
+    from eagle3.export.sglang import load_export
+    from eagle3.quickstart import QuickstartConfig, run_quickstart
+    out = str(tmp_path / "qs")
+    s = run_quickstart(QuickstartConfig(out=out, num_samples=6, max_length=192, train_steps=3, token_budget=1024,
+                                        draft_steps=3, eval_prompts=2, max_new_tokens=8, progress=False))
+    config, tensors, prov = load_export(os.path.join(out, "sglang-drafter"))
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert prov["capture"]["hidden_state_indices"] == [3, 16, 28]   # the example target's default (30 layers)
+    assert tensors["fc.weight"].shape == (576, 3 * 576)
+    assert s["eval"]["lossless"] and s["eval"]["acceptance_length"] >= 1.0
+    assert "--speculative-algorithm EAGLE3" in s["serve"]
+    assert json.load(open(os.path.join(out, "summary.json")))["dump_totals"]["samples"] == 6
