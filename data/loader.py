@@ -15,6 +15,7 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from eagle3.batching import group_by_length
 from eagle3.data.dumps import DumpSet, SampleRef, collate
 
 
@@ -28,15 +29,7 @@ def length_grouped_batches(lengths: list[int], token_budget: int, seed: int, epo
     batches: list[list[int]] = []
     # Group by length inside windows of the shuffled order: little padding, yet different mixes every epoch.
     for w in range(0, len(order), window):
-        chunk = sorted(order[w:w + window], key=lambda i: (-lengths[i], i))
-        cur: list[int] = []
-        for i in chunk:
-            if cur and (len(cur) + 1) * lengths[cur[0]] > token_budget:
-                batches.append(cur)
-                cur = []
-            cur.append(i)
-        if cur:
-            batches.append(cur)
+        batches += group_by_length(sorted(order[w:w + window]), lengths, token_budget)
     if shuffle:
         rng.shuffle(batches)
     while len(batches) % world_size:

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from eagle3 import contract as C
 from eagle3 import dist as D
+from eagle3.batching import group_by_length
 from eagle3.contract import CaptureSpec, ContractError, DumpManifest
 from eagle3.dump import shards as S
 from eagle3.dump import targets as T
@@ -66,20 +67,6 @@ def plan_shards(lengths: list[int], bytes_per_token: int, shard_bytes: int) -> l
     if cur:
         shards.append(cur)
     return shards
-
-
-def plan_batches(lengths: dict[int, int], batch_tokens: int) -> list[list[int]]:
-    """Length-grouped batches: longest first, each batch's padded size (B * max_len) within batch_tokens."""
-    order = sorted(lengths, key=lambda i: (-lengths[i], i))
-    batches, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * lengths[cur[0]] > batch_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return batches
 
 
 def pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,7 +209,7 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
                 if cfg.stop_after_shards is not None and n_written >= cfg.stop_after_shards:
                     break
                 collected = []
-                for batch in plan_batches({i: lengths[i] for i in plan[j]}, cfg.batch_tokens):
+                for batch in group_by_length(plan[j], lengths, cfg.batch_tokens):
                     ids, mask = pad_batch([samples[i].input_ids for i in batch], pad_id)
                     states = cap.run(ids.to(device), mask.to(device))
                     host = {k: v.to("cpu") for k, v in states.items()} if writer_rank else None
