@@ -17,7 +17,8 @@ def word_target(tmp_path_factory):
     from tiny import WORDS, make_target
     from tiny_tokenizers import make_word_tokenizer
     tok = make_word_tokenizer(WORDS)
-    return make_target(str(tmp_path_factory.mktemp("word_target")), "llama", tokenizer=tok, vocab_size=len(tok))
+    return make_target(str(tmp_path_factory.mktemp("word_target")), "llama", tokenizer=tok, vocab_size=len(tok),
+                       layer_scale=8.0)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import torch
 
 VOCAB = 512  # every tiny tokenizer's ids are below this
 LOGIT_SCALE = 40.0
-LAYER_SCALE = 8.0
 
 LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=64,
              intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -34,7 +33,8 @@ KIMI_K25 = dict(model_type="kimi_k25", architectures=["Kimi_K25ForConditionalGen
 CONFIGS = {"llama": LLAMA, "deepseek_v3": DEEPSEEK_V3, "kimi_k25": KIMI_K25}
 
 
-def make_target(path: str, kind: str = "llama", seed: int = 0, tokenizer=None, **overrides) -> str:
+def make_target(path: str, kind: str = "llama", seed: int = 0, tokenizer=None, layer_scale: float = 1.0,
+                **overrides) -> str:
     """Build a random model of `kind` from its config and save it (fp32) with a tiny chat tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -51,11 +51,11 @@ def make_target(path: str, kind: str = "llama", seed: int = 0, tokenizer=None, *
             p.add_(torch.randn_like(p) * 0.02)
         # A peaked next-token distribution (as in a trained LM), so the teacher's argmax means something.
         model.get_output_embeddings().weight.mul_(LOGIT_SCALE)
-        # Layers that move the residual stream a lot, so neighbouring HF indices hold clearly different states
-        # (with init-scale weights every layer is a small perturbation of the embedding).
+        # layer_scale > 1: layers that move the residual stream a lot, so neighbouring HF indices hold clearly
+        # different states and the next token depends on context (the eval's wrong-export test needs that).
         for name, p in model.named_parameters():
             if ".layers." in name and p.ndim == 2:
-                p.mul_(LAYER_SCALE)
+                p.mul_(layer_scale)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     if tokenizer is None:
