@@ -78,6 +78,15 @@ def sha256_bytes(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()
 
 
+def file_sha256(path: str, chunk: int = 1 << 24) -> str:
+    """sha256 of a file, streamed (shards are GiB-sized); what manifests and provenance record."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
 # Keys of a transformers config that describe where/how it was saved, not the model.
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation",
                          "_attn_implementation_autoset", "quantization_config", "tp_plan", "pp_plan",

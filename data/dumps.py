@@ -28,11 +28,6 @@ class SampleRef:
     sample_index: int  # position in the source data
 
 
-def _sha256(path: str) -> str:
-    from eagle3.dump.shards import file_sha256
-    return file_sha256(path)
-
-
 class DumpSet:
     """`DumpSet([dir, ...])`: `.refs` lists every sample; `.sample(ref)` / `.standardized(ref)` read one."""
 
@@ -79,7 +74,7 @@ class DumpSet:
             size = os.path.getsize(path)
             if size != rec.bytes:
                 raise ContractError(f"{path}: {size} bytes, the manifest says {rec.bytes} (truncated or altered)")
-            if _sha256(path) != rec.sha256:
+            if C.file_sha256(path) != rec.sha256:
                 raise ContractError(f"{path}: sha256 differs from the manifest (the shard was altered)")
 
     def _shard(self, dump: int, shard: int):

@@ -12,7 +12,6 @@ import random
 from dataclasses import dataclass
 from typing import Iterator
 
-import torch
 from torch.utils.data import DataLoader, Dataset
 
 from eagle3.batching import group_by_length

@@ -14,8 +14,7 @@ import queue
 import sys
 import threading
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -47,11 +46,6 @@ class DumpConfig:
     device: str | None = None            # default: cuda if available, else cpu
     progress: bool = True
     stop_after_shards: int | None = None  # testing aid: exit after writing this many shards (simulates a kill)
-
-
-@dataclass
-class Plan:
-    shards: list[list[int]] = field(default_factory=list)  # per shard: positions into the sample list, in order
 
 
 def plan_shards(lengths: list[int], bytes_per_token: int, shard_bytes: int) -> list[list[int]]:

@@ -10,7 +10,6 @@ temporary file, which the rerun replaces.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict
@@ -31,14 +30,6 @@ def shard_name(j: int) -> str:
 
 def sidecar_name(j: int) -> str:
     return f"shard-{j:05d}.json"
-
-
-def file_sha256(path: str, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()
 
 
 def atomic_write_text(path: str, text: str) -> None:
@@ -73,7 +64,7 @@ def write_shard(out_dir: str, j: int, samples: list[dict], indices: list[int], m
         os.fsync(f.fileno())
     os.replace(tmp, path)
     rec = ShardRecord(file=shard_name(j), samples=len(samples), tokens=int(offsets[-1]),
-                      bytes=os.path.getsize(path), sha256=file_sha256(path))
+                      bytes=os.path.getsize(path), sha256=C.file_sha256(path))
     atomic_write_text(os.path.join(out_dir, sidecar_name(j)), json.dumps(asdict(rec), indent=1))
     return rec
 

@@ -15,7 +15,6 @@ so a refused or failed export leaves no half-written DIR.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shlex
@@ -264,14 +263,6 @@ def _is_previous_export(path: str) -> bool:
         return False
 
 
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: str = "sglang",
                    sglang_version: str = C.SGLANG_LATEST, allow_cuda_graph_mismatch: bool = False) -> dict:
     """Export checkpoint `step` (default: the latest) of training run `run_dir` into `out_dir`; returns the
@@ -355,7 +346,7 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
     try:
         save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
-        provenance["model_safetensors_sha256"] = _sha256_file(os.path.join(tmp, WEIGHTS_FILE))
+        provenance["model_safetensors_sha256"] = C.file_sha256(os.path.join(tmp, WEIGHTS_FILE))
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(config, f, indent=2)
         with open(os.path.join(tmp, PROVENANCE_FILE), "w") as f:

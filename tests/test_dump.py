@@ -13,7 +13,6 @@ from safetensors import safe_open
 from eagle3 import contract as C
 from eagle3.contract import load_manifest as read_manifest
 from eagle3.dump.job import DumpConfig, run_dump
-from eagle3.dump.shards import file_sha256
 
 from tiny import reference_hidden_states, write_conversations
 
@@ -97,7 +96,7 @@ def test_manifest_totals_and_checksums(tiny_targets, convs, tmp_path):
     assert m.totals["samples"] == len(samples)
     for rec in m.shards:
         path = tmp_path / "d" / rec.file
-        assert rec.sha256 == file_sha256(str(path)) and rec.bytes == path.stat().st_size
+        assert rec.sha256 == C.file_sha256(str(path)) and rec.bytes == path.stat().st_size
     assert m.target.num_hidden_layers == 6 and m.target.hidden_size == 64
     assert m.capture.hidden_state_indices == C.default_capture_indices(6)
     # sample_index is the position in the source, in order

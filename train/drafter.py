@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.utils.checkpoint

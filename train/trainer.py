@@ -156,11 +156,11 @@ def _flatten(rec: dict) -> dict:
 
 def pooled(stats: torch.Tensor) -> dict:
     """stats [3, K] = (ce_sum, correct, count) summed over tokens (and ranks) -> per-step metrics."""
-    from eagle3.train.loss import acceptance_length
+    from eagle3.train.loss import summarize
     ce, correct, count = stats.double().cpu()
-    denom = count.clamp(min=1)
-    return {"loss_j": (ce / denom).tolist(), "acc_j": (correct / denom).tolist(),
-            "accept_len": float(acceptance_length(correct, count)), "counted": int(count[0])}
+    s = summarize(ce, correct, count)
+    return {"loss_j": s["loss_per_step"].tolist(), "acc_j": s["acc_per_step"].tolist(),
+            "accept_len": float(s["acceptance_length"]), "counted": int(count[0])}
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -182,7 +182,7 @@ def save_checkpoint(engine, run_dir: str, step: int, cfg: TrainConfig, world: D.
     from safetensors.torch import save_file
     ckpt_root = os.path.join(run_dir, "checkpoints")
     tag = f"step{step:08d}"
-    rng = {"python": None, "torch": torch.get_rng_state().tolist()}
+    rng = {"torch": torch.get_rng_state().tolist()}
     engine.save_checkpoint(ckpt_root, tag=tag, client_state={"step": step, "rng": rng})
     weights = consolidated_state_dict(engine)
     path = os.path.join(ckpt_root, tag)
