@@ -26,6 +26,9 @@ def _add_dump(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (model and stored dtype; default bf16)")
     p.add_argument("--shard-size-mb", type=float, default=1024.0)
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--no-record-argmax", action="store_true",
+                   help="do not store the target's full-vocab argmax per token (4 B/token; lets training multiply "
+                        "only the draft-vocab rows of the target head)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--stop-after-shards", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -57,7 +60,7 @@ def cmd_dump(a: argparse.Namespace) -> None:
                         max_length=opt["max_length"], batch_tokens=a.batch_tokens, num_samples=a.num_samples,
                         dtype=opt["dtype"],
                         shard_size_mb=a.shard_size_mb, device=a.device, progress=not a.no_progress,
-                        stop_after_shards=a.stop_after_shards))
+                        record_argmax=not a.no_record_argmax, stop_after_shards=a.stop_after_shards))
 
 
 def cmd_example_target(a: argparse.Namespace) -> None:

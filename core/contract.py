@@ -28,6 +28,9 @@ LOSS_MASK = "loss_mask"
 FINAL_HIDDEN = "final_hidden"
 SAMPLE_OFFSETS = "sample_offsets"
 SAMPLE_INDEX = "sample_index"
+# Optional (dumps since the fast trainer): the target's full-vocab argmax at each token, int32. With it the
+# trainer's teacher multiplies only the draft-vocab rows of the target head (contract §5 needs nothing else).
+TARGET_ARGMAX = "target_argmax"
 HIDDEN_PREFIX = "hidden_states."
 
 

@@ -100,6 +100,8 @@ class DumpSet:
     def standardized(self, ref: SampleRef) -> dict:
         keys = [C.INPUT_IDS, C.LOSS_MASK, C.FINAL_HIDDEN] + [C.hidden_state_key(k) for k in self.indices]
         try:
+            if C.TARGET_ARGMAX in self._shard(ref.dump, ref.shard).keys():
+                keys.append(C.TARGET_ARGMAX)
             raw = self.sample(ref, keys)
         except Exception as e:  # safetensors raises its own error types; name the shard and sample
             if isinstance(e, ContractError):
@@ -144,8 +146,12 @@ def collate(samples: list[dict], pad_id: int = 0) -> dict:
         "hidden_state": torch.zeros((B, T, first["hidden_state"].shape[-1]), dtype=first["hidden_state"].dtype),
         "target_hidden": torch.zeros((B, T, first["target_hidden"].shape[-1]), dtype=first["target_hidden"].dtype),
     }
+    if all("target_argmax" in s for s in samples):  # the dump recorded the teacher's argmax (all or nothing)
+        out["target_argmax"] = torch.zeros((B, T), dtype=torch.long)
     for b, s in enumerate(samples):
         n = s["input_ids"].shape[0]
+        if "target_argmax" in out:
+            out["target_argmax"][b, :n] = s["target_argmax"]
         out["input_ids"][b, :n] = s["input_ids"]
         out["loss_mask"][b, :n] = s["loss_mask"]
         out["attention_mask"][b, :n] = 1

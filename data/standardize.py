@@ -40,5 +40,14 @@ def standardize_data_v1(sample: dict, manifest: DumpManifest, source: str = "sam
             raise ContractError(f"{source}: {name} contains NaN or Inf")
     if sample[C.LOSS_MASK].shape[0] != T:
         raise ContractError(f"{source}: loss_mask has {sample[C.LOSS_MASK].shape[0]} tokens, input_ids {T}")
-    return {"input_ids": sample[C.INPUT_IDS], "loss_mask": sample[C.LOSS_MASK],
-            "hidden_state": torch.cat(parts, dim=-1), "target_hidden": sample[C.FINAL_HIDDEN]}
+    out = {"input_ids": sample[C.INPUT_IDS], "loss_mask": sample[C.LOSS_MASK],
+           "hidden_state": torch.cat(parts, dim=-1), "target_hidden": sample[C.FINAL_HIDDEN]}
+    if C.TARGET_ARGMAX in sample:  # optional: the target's full-vocab argmax per token (the fast teacher)
+        am = sample[C.TARGET_ARGMAX]
+        if am.shape != (T,):
+            raise ContractError(f"{source}: {C.TARGET_ARGMAX} has shape {tuple(am.shape)}, expected ({T},)")
+        vocab = manifest.target.vocab_size
+        if T and (int(am.min()) < 0 or int(am.max()) >= vocab):
+            raise ContractError(f"{source}: {C.TARGET_ARGMAX} holds ids outside the target vocab ({vocab})")
+        out["target_argmax"] = am
+    return out

@@ -23,8 +23,10 @@ def _tensor_of(output):
 class HiddenStateCapture:
     """`with HiddenStateCapture(backbone, [3, 31, 59]) as cap: backbone.module(...); cap.states` -> {k: [B,T,H], 'final': ...}"""
 
-    def __init__(self, backbone: Backbone, indices: list[int]):
+    def __init__(self, backbone: Backbone, indices: list[int], head: torch.nn.Module | None = None,
+                 head_chunk: int = 4096):
         self.backbone = backbone
+        self.head, self.head_chunk = head, head_chunk  # head: the target's lm_head -> states['argmax'] [B, T]
         self.indices = list(indices)
         self.states: dict = {}
         self._handles = []
@@ -52,6 +54,12 @@ class HiddenStateCapture:
         missing = [k for k in self.indices + ["final"] if k not in self.states]
         if missing:
             raise ContractError(f"capture hooks did not fire for {missing}")
+        if self.head is not None:
+            # The teacher's full-vocab argmax, in row chunks so [rows, vocab] logits stay small (contract §5).
+            final = self.states["final"]
+            rows = final.reshape(-1, final.shape[-1])
+            am = torch.cat([_tensor_of(self.head(c)).argmax(-1) for c in rows.split(self.head_chunk)])
+            self.states["argmax"] = am.to(torch.int32).view(final.shape[:-1])
         return self.states
 
 

@@ -45,6 +45,7 @@ class DumpConfig:
     shard_size_mb: float = 1024.0
     device: str | None = None            # default: cuda if available, else cpu
     progress: bool = True
+    record_argmax: bool = True           # store the target's full-vocab argmax per token (4 B/token; fast teacher)
     stop_after_shards: int | None = None  # testing aid: exit after writing this many shards (simulates a kill)
 
 
@@ -75,7 +76,8 @@ def pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 
 
 class _Writer:
-    """Writes finished shards on a background thread so the next shard's forwards overlap the disk."""
+    """Writes finished shards on a background thread so the next shard's forwards overlap the disk. A shard's
+    host tensors may still be arriving from the GPU (async copies): the thread waits for their events first."""
 
     def __init__(self, out: str, indices: list[int], meta: dict):
         self.out, self.indices, self.meta = out, indices, meta
@@ -88,13 +90,15 @@ class _Writer:
         while (item := self.q.get()) is not None:
             if self.error is None:
                 try:
+                    for ev in item[2]:
+                        ev.synchronize()
                     S.write_shard(self.out, item[0], item[1], self.indices, self.meta)
                 except BaseException as e:  # surfaced on the main thread by put()/close()
                     self.error = e
 
-    def put(self, j: int, samples: list[dict]):
+    def put(self, j: int, samples: list[dict], events=()):
         self._raise()
-        self.q.put((j, samples))
+        self.q.put((j, samples, list(events)))
 
     def close(self):
         self.q.put(None)
@@ -104,6 +108,29 @@ class _Writer:
     def _raise(self):
         if self.error is not None:
             raise RuntimeError(f"writing a shard failed: {self.error}") from self.error
+
+
+class _ToHost:
+    """Device -> host copies that overlap the next forward: on CUDA, into pinned memory (torch's caching host
+    allocator reuses it) on a side stream, with an event the writer waits on; on the CPU, nothing to do."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def __call__(self, states: dict) -> tuple[dict, object]:
+        if not self.cuda:
+            return {k: v.to("cpu") for k, v in states.items()}, None
+        self.stream.wait_stream(torch.cuda.current_stream())
+        host = {}
+        with torch.cuda.stream(self.stream):
+            for k, v in states.items():
+                host[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+                host[k].copy_(v, non_blocking=True)
+                v.record_stream(self.stream)  # the forward's allocator must not reuse v before the copy ran
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return host, ev
 
 
 def _check_out_dir(out: str, identity: dict, plan_hash: str, cfg: DumpConfig) -> str | None:
@@ -169,11 +196,11 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
         raise ValueError(f"no usable conversations in {cfg.data} (skipped: {dict(skipped)})")
     if info.vocab_size >= 2**31:
         raise ValueError("vocab does not fit the int32 input_ids of shard format v1")
-    bytes_per_token = (len(indices) + 1) * info.hidden_size * dtype.itemsize + 4 + 1
+    bytes_per_token = (len(indices) + 1) * info.hidden_size * dtype.itemsize + 4 + 1 + 4 * cfg.record_argmax
     lengths = [len(s.input_ids) for s in samples]
     plan = plan_shards(lengths, bytes_per_token, int(cfg.shard_size_mb * 2**20))
     plan_hash = C.sha256_bytes(C.canonical_json(
-        [[samples[i].sample_index for i in sh] for sh in plan] + [lengths, cfg.dtype]))
+        [[samples[i].sample_index for i in sh] for sh in plan] + [lengths, cfg.dtype, cfg.record_argmax]))
 
     D.fail_together(_check_out_dir(cfg.out, manifest.identity(), plan_hash, cfg) if world.is_main else None,
                     ContractError)
@@ -189,9 +216,12 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
         backbone = T.find_backbone(model, info.num_hidden_layers)
         device = next(backbone.module.parameters()).device
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        with HiddenStateCapture(backbone, indices) as cap:
+        head = model.get_output_embeddings() if cfg.record_argmax else None
+        to_host = _ToHost(device)
+        with HiddenStateCapture(backbone, indices, head=head) as cap:
             probe = torch.as_tensor([samples[0].input_ids[:8]], device=device)
-            verify_full_width(cap.run(probe, torch.ones_like(probe)), info.hidden_size, tuple(probe.shape))
+            verify_full_width({k: v for k, v in cap.run(probe, torch.ones_like(probe)).items() if k != "argmax"},
+                              info.hidden_size, tuple(probe.shape))
             meta = {"format": C.DUMP_FORMAT, "format_version": C.DUMP_FORMAT_VERSION,
                     "hidden_state_indices": indices, "target_config_sha256": info.config_sha256}
             writer = _Writer(cfg.out, indices, meta) if writer_rank else None
@@ -202,24 +232,28 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
             for n_written, j in enumerate(todo):
                 if cfg.stop_after_shards is not None and n_written >= cfg.stop_after_shards:
                     break
-                collected = []
+                collected, events = [], []
                 for batch in group_by_length(plan[j], lengths, cfg.batch_tokens):
                     ids, mask = pad_batch([samples[i].input_ids for i in batch], pad_id)
                     states = cap.run(ids.to(device), mask.to(device))
-                    host = {k: v.to("cpu") for k, v in states.items()} if writer_rank else None
-                    for b, i in enumerate(batch):
-                        n = lengths[i]
-                        if writer_rank:
+                    if writer_rank:
+                        host, ev = to_host(states)  # async on CUDA: the next forward starts at once
+                        events += [ev] if ev is not None else []
+                        for b, i in enumerate(batch):
+                            n = lengths[i]
                             rec = {k: host[k][b, :n] for k in indices}
                             rec.update(final=host["final"][b, :n], sample_index=samples[i].sample_index,
                                        input_ids=samples[i].input_ids, loss_mask=samples[i].loss_mask)
+                            if "argmax" in host:
+                                rec["target_argmax"] = host["argmax"][b, :n]
                             collected.append(rec)
+                    del states
                     done_tokens += sum(lengths[i] for i in batch)
                     bar.update(sum(lengths[i] for i in batch))
                     bar.set_postfix(tok_s=f"{done_tokens / (time.perf_counter() - t0):,.0f}")
                 if writer_rank:
                     collected.sort(key=lambda r: r["sample_index"])
-                    writer.put(j, collected)
+                    writer.put(j, collected, events)
             if writer:
                 writer.close()
             bar.close()

@@ -1,7 +1,11 @@
 """Shard format v1: one safetensors file per shard, token-major, zero-copy readable.
 
     input_ids [N] int32, loss_mask [N] uint8, hidden_states.<k> [N, H] per captured HF index k,
-    final_hidden [N, H], sample_offsets [n+1] int64, sample_index [n] int64
+    final_hidden [N, H], sample_offsets [n+1] int64, sample_index [n] int64, target_argmax [N] int32 (optional)
+
+The file is written by `write_shard` itself in the safetensors layout (8-byte header length, JSON header, data),
+streamed from the per-sample tensors: no concatenated copy of the shard, and the sha256 is computed on a second
+thread from the same buffers while the first writes them, so the hash costs no pass of its own.
 
 A shard is written to a temporary name and renamed; then a small sidecar `shard-XXXXX.json` (its ShardRecord) is
 renamed into place. A shard counts as finished only when its sidecar exists, so a killed run leaves at most a
@@ -10,12 +14,15 @@ temporary file, which the rerun replaces.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import queue
+import struct
+import threading
 from dataclasses import asdict
 
 import torch
-from safetensors.torch import save_file
 
 from eagle3 import contract as C
 from eagle3.contract import ShardRecord
@@ -41,30 +48,88 @@ def atomic_write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    t = t.contiguous()
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+
+
+def _hash_in_order(q: queue.Queue, h, err: list):
+    while (b := q.get()) is not None:
+        try:
+            h.update(b)  # hashlib releases the GIL on large buffers: this runs beside the writes
+        except BaseException as e:  # pragma: no cover - reported by the caller
+            err.append(e)
+
+
+def write_safetensors(path: str, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> str:
+    """Write a safetensors file whose tensor `name` is the concatenation (dim 0) of the pieces tensors[name], in the
+    given key order, without concatenating them in memory. Returns the file's sha256 (hashed while writing)."""
+    header: dict = {"__metadata__": metadata}
+    off = 0
+    for name, pieces in tensors.items():
+        dt = {p.dtype for p in pieces}
+        if len(dt) != 1 or next(iter(dt)) not in _ST_DTYPES:
+            raise ValueError(f"{name}: pieces must share one supported dtype, got {dt}")
+        rest = {tuple(p.shape[1:]) for p in pieces}
+        if len(rest) != 1:
+            raise ValueError(f"{name}: pieces differ beyond dim 0: {rest}")
+        n = sum(p.shape[0] for p in pieces)
+        nbytes = sum(p.numel() * p.element_size() for p in pieces)
+        header[name] = {"dtype": _ST_DTYPES[pieces[0].dtype], "shape": [n, *next(iter(rest))],
+                        "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-(len(hb) + 8) % 8)  # data starts 8-byte aligned (zero-copy views of every dtype)
+    h, q, err = hashlib.sha256(), queue.Queue(maxsize=64), []
+    hasher = threading.Thread(target=_hash_in_order, args=(q, h, err), daemon=True)
+    hasher.start()
+    try:
+        with open(path, "wb", buffering=0) as f:
+            for b in (struct.pack("<Q", len(hb)), hb):
+                f.write(b)
+                q.put(b)
+            for pieces in tensors.values():
+                for p in pieces:
+                    b = _bytes(p)
+                    f.write(b)
+                    q.put(b)
+            os.fsync(f.fileno())
+    finally:
+        q.put(None)
+        hasher.join()
+    if err:
+        raise err[0]
+    return h.hexdigest()
+
+
 def write_shard(out_dir: str, j: int, samples: list[dict], indices: list[int], meta: dict) -> ShardRecord:
-    """samples: [{'sample_index', 'input_ids' [T], 'loss_mask' [T], 'final' [T,H], k: [T,H] ...}] on CPU, in order."""
+    """samples: [{'sample_index', 'input_ids' [T], 'loss_mask' [T], 'final' [T,H], k: [T,H] ..., optionally
+    'target_argmax' [T]}] on CPU, in order. Big tensors first, so every tensor's data stays aligned."""
     lengths = [len(s["input_ids"]) for s in samples]
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
     tensors = {
-        C.INPUT_IDS: torch.cat([torch.as_tensor(s["input_ids"], dtype=torch.int32) for s in samples]),
-        C.LOSS_MASK: torch.cat([torch.as_tensor(s["loss_mask"], dtype=torch.uint8) for s in samples]),
-        C.SAMPLE_OFFSETS: offsets,
-        C.SAMPLE_INDEX: torch.tensor([s["sample_index"] for s in samples], dtype=torch.int64),
-        C.FINAL_HIDDEN: torch.cat([s["final"] for s in samples]),
+        C.SAMPLE_OFFSETS: [offsets],
+        C.SAMPLE_INDEX: [torch.tensor([s["sample_index"] for s in samples], dtype=torch.int64)],
+        C.FINAL_HIDDEN: [s["final"] for s in samples],
     }
     for k in indices:
-        tensors[C.hidden_state_key(k)] = torch.cat([s[k] for s in samples])
+        tensors[C.hidden_state_key(k)] = [s[k] for s in samples]
+    tensors[C.INPUT_IDS] = [torch.as_tensor(s["input_ids"], dtype=torch.int32) for s in samples]
+    if all("target_argmax" in s for s in samples):
+        tensors[C.TARGET_ARGMAX] = [torch.as_tensor(s["target_argmax"], dtype=torch.int32) for s in samples]
+    tensors[C.LOSS_MASK] = [torch.as_tensor(s["loss_mask"], dtype=torch.uint8) for s in samples]
     path = os.path.join(out_dir, shard_name(j))
     tmp = f"{path}.tmp-{os.getpid()}"
-    # One metadata key: safetensors writes its metadata map in hash order, so several keys make the file's bytes
-    # (and its sha256) differ between identical runs.
-    save_file(tensors, tmp, metadata={SHARD_METADATA_KEY: json.dumps(meta, sort_keys=True)})
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+    # One metadata key, and a header written by us in a fixed order: identical runs give identical bytes.
+    sha = write_safetensors(tmp, tensors, {SHARD_METADATA_KEY: json.dumps(meta, sort_keys=True)})
     os.replace(tmp, path)
     rec = ShardRecord(file=shard_name(j), samples=len(samples), tokens=int(offsets[-1]),
-                      bytes=os.path.getsize(path), sha256=C.file_sha256(path))
+                      bytes=os.path.getsize(path), sha256=sha)
     atomic_write_text(os.path.join(out_dir, sidecar_name(j)), json.dumps(asdict(rec), indent=1))
     return rec
 

@@ -31,7 +31,8 @@ def launch(n, dump, target, out, *extra, check=True):
     cmd = ["deepspeed", "--num_gpus", str(n), "--master_port", str(_port()), "--module", "eagle3.train",
            "--dump", dump, "--target", target, "--out", str(out), "--drafter", "tiny", "--draft-vocab-size", "512",
            "--no-bf16", "--token-budget", "256", "--lr", "3e-3", "--warmup-steps", "2", "--held-out-fraction", "0.2",
-           "--eval-interval", "4", "--eval-batches", "2", "--num-workers", "1", "--no-progress", *map(str, extra)]
+           "--eval-interval", "4", "--eval-batches", "2", "--num-workers", "1", "--no-progress", "--log-interval", "1",
+           *map(str, extra)]
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
     if check:
         assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
@@ -129,7 +130,7 @@ def test_overfitting_a_tiny_dump_drives_acc0_to_one(tiny_targets, convs, tmp_pat
                         progress=False))
     res = train(TrainConfig(dump=[dump], target=tiny_targets["llama"], out=str(tmp_path / "run"), drafter="tiny",
                             draft_vocab_size=512, bf16=False, max_steps=160, token_budget=4096, lr=3e-3,
-                            warmup_steps=10, held_out_fraction=0.0, save_interval=1000, num_workers=0,
+                            warmup_steps=10, held_out_fraction=0.0, save_interval=1000, num_workers=0, log_interval=1,
                             progress=False, wandb_mode="disabled"))
     assert res["acc_j"][0] > 0.9 and res["accept_len"] > 5, res
     first = metrics(str(tmp_path / "run"))[0]

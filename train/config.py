@@ -38,15 +38,23 @@ class TrainConfig:
     keep_checkpoints: int = 2
     eval_interval: int = 250
     eval_batches: int = 20
-    log_interval: int = 1
+    log_interval: int = 10         # steps pooled per metrics line (the only host sync of the loop)
     num_workers: int = 2
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"  # none | mlp (recompute gate/up) | step (recompute whole TTT steps)
+    fast_path: bool = True         # train/kernels.py forward + fused loss (ZeRO 0-2; ZeRO-3 uses the plain path)
     resume: bool = False
     wandb_project: str = "eagle3"
     wandb_mode: str | None = None  # None: offline unless logged in; 'disabled' turns it off
     teacher_chunk_tokens: int = 4096
     progress: bool = True
     stop_after_steps: int | None = None  # testing aid: exit after this many steps as if killed
+
+    def __post_init__(self):
+        a = {True: "mlp", False: "none", "true": "mlp", "false": "none"}.get(self.activation_checkpointing,
+                                                                           self.activation_checkpointing)
+        if a not in ("none", "mlp", "step"):
+            raise ValueError(f"activation_checkpointing must be none, mlp or step; got {self.activation_checkpointing!r}")
+        self.activation_checkpointing = a
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

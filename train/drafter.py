@@ -284,7 +284,7 @@ class Eagle3Drafter(nn.Module):
         t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
         t2d[: c.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
-        self.activation_checkpointing = False  # a run-time switch (the trainer's --activation-checkpointing)
+        self.activation_checkpointing = "none"  # run-time switch (trainer's --activation-checkpointing): none/mlp/step
 
     # ---------------------------------------------------------------- setup
 
@@ -376,7 +376,7 @@ class Eagle3Drafter(nn.Module):
 
     def ttt_forward(self, hidden_state: torch.Tensor, input_ids: torch.Tensor,
                     attention_mask: torch.Tensor | None = None, steps: int = 7,
-                    position_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+                    position_ids: torch.Tensor | None = None, fast: bool = False) -> list[torch.Tensor]:
         """Unroll `steps` draft steps over whole sequences (contract §5). Returns [m_0, ..., m_{K-1}], each [B, T, H].
 
         hidden_state [B, T, num_aux * Ht] (aux states, ascending HF index), input_ids [B, T], attention_mask [B, T]
@@ -385,6 +385,8 @@ class Eagle3Drafter(nn.Module):
         RoPE position t + j; attends to step-0 keys at positions <= t and to the step-1..j keys at position t.
         With right padding, causality alone keeps real queries off padded keys; outputs at padded positions are
         finite but meaningless (the loss masks them).
+        fast: the same function through train/kernels.py (flash attention + log-sum-exp merge, lean norms, the
+        embedding half of q/k/v projected once for all steps). It reads weights directly, so not under ZeRO-3.
         """
         if steps < 1:
             raise ValueError("steps must be >= 1")
@@ -395,6 +397,8 @@ class Eagle3Drafter(nn.Module):
                 raise ValueError("ttt_forward expects right padding (attention_mask of the form 1..1 0..0)")
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        if fast:
+            return self._ttt_fast(hidden_state, input_ids, position_ids, steps)
         attn = self.midlayer.self_attn
         h = self.project_aux(hidden_state)
         outs: list[torch.Tensor] = []
@@ -416,7 +420,7 @@ class Eagle3Drafter(nn.Module):
                 diag_k.append(k)
                 diag_v.append(v)
                 o = attention_causal_plus_diagonal(q, k0, v0, diag_k, diag_v, attn.scale)
-            if self.activation_checkpointing and torch.is_grad_enabled():
+            if self.checkpointing != "none" and torch.is_grad_enabled():
                 # Recompute the MLP (its [T, intermediate] activations dominate memory) in backward.
                 m = torch.utils.checkpoint.checkpoint(self.midlayer.finish, attn.out(o), h, use_reentrant=False)
             else:
@@ -425,5 +429,59 @@ class Eagle3Drafter(nn.Module):
             h = m
         return outs
 
-    def forward(self, hidden_state, input_ids, attention_mask=None, steps: int = 7, position_ids=None):
-        return self.ttt_forward(hidden_state, input_ids, attention_mask, steps, position_ids)
+    @property
+    def checkpointing(self) -> str:
+        """'none', 'mlp' (recompute gate/up in backward) or 'step' (recompute whole TTT steps: least memory)."""
+        a = self.activation_checkpointing
+        return {False: "none", True: "mlp", None: "none"}.get(a, a)
+
+    def _ttt_fast(self, hidden_state, input_ids, position_ids, steps: int) -> list[torch.Tensor]:
+        from eagle3.train.kernels import causal_plus_diagonal, rms_norm, silu_mul
+        c, ml = self.config, self.midlayer
+        attn = ml.self_attn
+        B, T = input_ids.shape
+        H, nh, nkv, d, eps = c.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, c.rms_norm_eps
+        mode = self.checkpointing if torch.is_grad_enabled() else "none"
+        # x = cat(norm(embed(token)), norm(h)) @ W^T = E + norm(h) @ W_h^T. Step j reads token t+1+j, i.e. the
+        # same embedding rows shifted by j, so E is projected once for all steps (saves half of q/k/v in steps >= 1).
+        w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        w_e, w_h = w_qkv[:, :H], w_qkv[:, H:]
+        tok = torch.cat([input_ids[:, 1:], input_ids.new_zeros(B, steps)], dim=1)         # [B, T - 1 + K]
+        e_qkv = rms_norm(self.embed(tok), ml.input_layernorm.weight, eps) @ w_e.T
+        w_gu = torch.cat([ml.mlp.gate_proj.weight, ml.mlp.up_proj.weight])
+
+        def gate_up(n2):
+            return silu_mul(n2 @ w_gu.T)
+
+        def step(j, h, k0, v0, dks, dvs):
+            qkv = e_qkv[:, j:j + T] + rms_norm(h, ml.hidden_norm.weight, eps) @ w_h.T
+            q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
+            cos, sin = self.rope_cos_sin(position_ids + j, qkv.dtype)
+            q = apply_rope(q.view(B, T, nh, d).transpose(1, 2), cos, sin)
+            k = apply_rope(k.view(B, T, nkv, d).transpose(1, 2), cos, sin)
+            v = v.view(B, T, nkv, d).transpose(1, 2)
+            if j == 0:
+                k0, v0 = k, v
+            # step j's diagonal keys: steps 1..j at the same position (keys[0] is the causal block)
+            o = causal_plus_diagonal(q, k0, v0, [*dks[1:], k] if j else [], [*dvs[1:], v] if j else [], attn.scale)
+            r = attn.out(o) + h
+            n2 = rms_norm(r, ml.post_attention_layernorm.weight, eps)
+            z = torch.utils.checkpoint.checkpoint(gate_up, n2, use_reentrant=False) if mode == "mlp" else gate_up(n2)
+            return ml.mlp.down_proj(z) + r, k, v
+
+        h = self.project_aux(hidden_state)
+        outs, keys, values = [], [], []
+        for j in range(steps):
+            args = (j, h, keys[0] if keys else None, values[0] if values else None, tuple(keys), tuple(values))
+            if mode == "step":
+                h, k, v = torch.utils.checkpoint.checkpoint(step, *args, use_reentrant=False)
+            else:
+                h, k, v = step(*args)
+            keys.append(k)
+            values.append(v)
+            outs.append(h)
+        return outs
+
+    def forward(self, hidden_state, input_ids, attention_mask=None, steps: int = 7, position_ids=None,
+                fast: bool = False):
+        return self.ttt_forward(hidden_state, input_ids, attention_mask, steps, position_ids, fast)

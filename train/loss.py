@@ -58,6 +58,33 @@ def teacher(target_hidden: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torc
     return p, in_vocab, argmax_draft
 
 
+@torch.no_grad()
+def teacher_from_argmax(target_hidden: torch.Tensor, draft_head_weight: torch.Tensor, t2d_index: torch.Tensor,
+                        target_argmax: torch.Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+    """`teacher` when the full-vocab argmax was recorded at dump time: only the draft-vocab rows of the target head
+    are multiplied (the renormalised teacher needs nothing else), so a step costs 2*H*Dv instead of 2*H*V per token.
+
+    draft_head_weight [Dv, Ht] = lm_head_weight[draft ids]; t2d_index [V] long: draft id of each target id, -1 when
+    not a draft token; target_argmax [N] long. Same returns as `teacher`.
+    """
+    N = target_hidden.shape[0]
+    acc = torch.promote_types(draft_head_weight.dtype, torch.float32)
+    dev = draft_head_weight.device
+    p = torch.empty(N, draft_head_weight.shape[0], dtype=acc, device=dev)
+    chunk = max(1, int(chunk_tokens))
+    for s in range(0, N, chunk):
+        hs = target_hidden[s:s + chunk].to(device=dev, dtype=draft_head_weight.dtype)
+        p[s:s + chunk] = torch.softmax((hs @ draft_head_weight.T).to(acc), dim=-1)
+    d = t2d_index.to(dev)[target_argmax.to(dev).long()]
+    return p, d >= 0, d.clamp(min=0)
+
+
+def draft_index(t2d: torch.Tensor) -> torch.Tensor:
+    """[V] long: the draft id of each target id, -1 where t2d is False."""
+    t2d = t2d.bool()
+    return torch.where(t2d, torch.cumsum(t2d.long(), 0) - 1, -1)
+
+
 def _ce_and_correct(drafter, m: torch.Tensor, p: torch.Tensor, tgt: torch.Tensor):
     logits = drafter.draft_logits(m)
     lp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
@@ -175,3 +202,50 @@ def acceptance_length(correct_counts, totals):
     acc = torch.where(n > 0, c / n.clamp(min=1e-300), torch.zeros_like(c))
     tau = 1 + torch.cumprod(acc, 0).sum()
     return tau if is_tensor else float(tau)
+
+
+def eagle3_loss_fused(drafter, step_outputs: Sequence[torch.Tensor], target_hidden: torch.Tensor,
+                      input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      decay: float = 0.8, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, *,
+                      lm_head_weight: torch.Tensor | None = None, target_argmax: torch.Tensor | None = None,
+                      draft_head_weight: torch.Tensor | None = None):
+    """`eagle3_loss` computed through kernels.linear_soft_cross_entropy: the same loss and metrics, but no host
+    sync (rows are weighted, not gathered), no [tokens, draft_vocab] logits kept, and, given `target_argmax` [B, T]
+    from the dump with `draft_head_weight` (the draft rows of the target head), no full-vocab teacher matmul.
+    Without them it needs `lm_head_weight` (the full target head) as `eagle3_loss` does.
+    Reads the drafter's norm / lm_head weights directly (not for ZeRO-3)."""
+    from eagle3.train.kernels import linear_soft_cross_entropy, rms_norm
+    K = len(step_outputs)
+    B, T = input_ids.shape
+    dev = step_outputs[0].device
+    real = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.to(dev).bool()
+    target_ok = loss_mask.to(device=dev).bool() & torch.cumprod(real.to(torch.int64), dim=1).bool()
+    target_ok[:, :2] = False
+    need = torch.zeros(B, T, dtype=torch.bool, device=dev)              # teacher position u = predicted p - 1
+    need[:, :-1] = target_ok[:, 1:]
+    th = target_hidden.reshape(B * T, -1)
+    if target_argmax is not None:
+        if draft_head_weight is None:
+            raise ValueError("target_argmax needs draft_head_weight (the draft-vocab rows of the target lm_head)")
+        p_t, in_vocab, argmax_d = teacher_from_argmax(th, draft_head_weight, draft_index(drafter.t2d),
+                                                      target_argmax.reshape(-1), chunk_tokens)
+    else:
+        p_t, in_vocab, argmax_d = teacher(th, lm_head_weight, drafter.t2d, chunk_tokens)
+    valid_u = need & in_vocab.to(dev).view(B, T)
+    # step j at position t is taught by u = t + 1 + j; rows past the end point anywhere with weight 0
+    t = torch.arange(T, device=dev)
+    u = torch.stack([t + 1 + j for j in range(K)])                      # [K, T]
+    inside = u < T
+    uc = u.clamp(max=T - 1)
+    valid = (valid_u[:, uc] & inside).permute(1, 0, 2).reshape(K, B * T)  # [K, B*T]
+    rows = (torch.arange(B, device=dev)[:, None, None] * T + uc).permute(1, 0, 2).reshape(K, B * T)
+    count = valid.sum(1).to(torch.float64)
+    w = torch.tensor([decay ** j for j in range(K)], dtype=torch.float64, device=dev) / count.clamp(min=1)
+    acc = torch.promote_types(step_outputs[0].dtype, torch.float32)
+    row_weights = valid.to(acc) * w.to(acc)[:, None]
+    xs = [rms_norm(m.reshape(B * T, -1), drafter.norm.weight, drafter.norm.eps) for m in step_outputs]
+    loss, ce_sum, correct = linear_soft_cross_entropy(xs, drafter.lm_head.weight, p_t, argmax_d, rows, row_weights,
+                                                      valid, chunk_tokens)
+    metrics = {"ce_sum": ce_sum, "correct": correct, "count": count}
+    metrics.update(summarize(ce_sum, correct, count))
+    return loss, metrics

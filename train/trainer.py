@@ -34,19 +34,29 @@ METRICS_FILE = "metrics.jsonl"
 
 class DrafterTrainStep(nn.Module):
     """What DeepSpeed wraps: the drafter and its loss, so that under ZeRO-3 every parameter the loss touches
-    (norm, lm_head) is gathered inside forward. The target's lm_head is a frozen buffer (the teacher)."""
+    (norm, lm_head) is gathered inside forward. The target's lm_head is a frozen buffer (the teacher); its draft-vocab
+    rows are a second one, enough for the teacher when the dump recorded the full-vocab argmax (`target_argmax`).
+    fast: kernels.py's forward and fused loss (they read weights directly, so ZeRO-3 keeps the plain path)."""
 
     def __init__(self, drafter: nn.Module, target_lm_head: torch.Tensor, cfg: TrainConfig):
         super().__init__()
         self.drafter = drafter
         self.register_buffer("target_lm_head", target_lm_head, persistent=False)
+        self.register_buffer("draft_head", target_lm_head[drafter.t2d.to(target_lm_head.device)].clone(),
+                             persistent=False)
         self.steps, self.decay, self.chunk = cfg.ttt_steps, cfg.step_decay, cfg.teacher_chunk_tokens
+        self.fast = bool(cfg.fast_path) and cfg.zero_stage < 3
 
-    def forward(self, hidden_state, input_ids, attention_mask, loss_mask, target_hidden):
-        from eagle3.train.loss import eagle3_loss
-        outs = self.drafter(hidden_state, input_ids, attention_mask, steps=self.steps)
-        loss, m = eagle3_loss(self.drafter, outs, target_hidden, self.target_lm_head, input_ids, loss_mask,
-                              attention_mask, decay=self.decay, chunk_tokens=self.chunk)
+    def forward(self, hidden_state, input_ids, attention_mask, loss_mask, target_hidden, target_argmax=None):
+        from eagle3.train.loss import eagle3_loss, eagle3_loss_fused
+        outs = self.drafter(hidden_state, input_ids, attention_mask, steps=self.steps, fast=self.fast)
+        if self.fast:
+            loss, m = eagle3_loss_fused(self.drafter, outs, target_hidden, input_ids, loss_mask, attention_mask,
+                                        self.decay, self.chunk, lm_head_weight=self.target_lm_head,
+                                        target_argmax=target_argmax, draft_head_weight=self.draft_head)
+        else:
+            loss, m = eagle3_loss(self.drafter, outs, target_hidden, self.target_lm_head, input_ids, loss_mask,
+                                  attention_mask, decay=self.decay, chunk_tokens=self.chunk)
         return loss, torch.stack([m["ce_sum"], m["correct"], m["count"]])
 
 
@@ -319,6 +329,10 @@ def train(cfg: TrainConfig) -> dict:
         return {k: (v.to(device, dtype=dtype, non_blocking=True) if v.is_floating_point()
                     else v.to(device, non_blocking=True)) for k, v in b.items()}
 
+    def model_inputs(b):
+        return (b["hidden_state"], b["input_ids"], b["attention_mask"], b["loss_mask"], b["target_hidden"],
+                b.get("target_argmax"))
+
     def evaluate() -> dict:
         eval_plan = BatchPlan([r.length for r in held_refs], cfg.token_budget, cfg.seed, world.rank,
                               world.world_size, shuffle=False)
@@ -327,9 +341,7 @@ def train(cfg: TrainConfig) -> dict:
         n = min(cfg.eval_batches, len(eval_plan.epoch(0)))
         with torch.no_grad():
             for b in make_loader(dumps, held_refs, eval_plan, 0, n, num_workers=0):
-                b = to_device(b)
-                _, s = engine(b["hidden_state"], b["input_ids"], b["attention_mask"], b["loss_mask"],
-                              b["target_hidden"])
+                _, s = engine(*model_inputs(to_device(b)))
                 stats += s
         engine.train()
         return pooled(all_reduce_sum(stats))
@@ -339,29 +351,32 @@ def train(cfg: TrainConfig) -> dict:
     bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=not (cfg.progress and world.is_main),
                dynamic_ncols=True)
     engine.train()
-    t_last, tokens_since = time.perf_counter(), 0
+    t_last, tokens_since, n_since = time.perf_counter(), 0, 0
+    since = torch.zeros(3 * cfg.ttt_steps + 1, dtype=torch.float64, device=device)  # stats + loss, on the device
     result: dict = {}
     for batch in loader:
-        b = to_device(batch)
-        loss, stats = engine(b["hidden_state"], b["input_ids"], b["attention_mask"], b["loss_mask"],
-                             b["target_hidden"])
+        loss, stats = engine(*model_inputs(to_device(batch)))
         engine.backward(loss)
         engine.step()
         step += 1
+        # pooled on the device between log lines: the step itself never waits for the host
+        since += torch.cat([stats.reshape(-1), loss.detach().double().reshape(1)])
         tokens_since += int(batch["attention_mask"].sum())
+        n_since += 1
         if step % cfg.log_interval == 0 or step == total:
-            red = all_reduce_sum(torch.cat([stats.reshape(-1), loss.detach().double().reshape(1),
-                                            torch.tensor([float(tokens_since)], dtype=torch.float64,
-                                                         device=stats.device)]))
+            red = all_reduce_sum(torch.cat([since, torch.tensor([float(tokens_since)], dtype=torch.float64,
+                                                                device=device)]))
             dt = time.perf_counter() - t_last
-            rec = {"step": step, "epoch": plan.position(step - 1)[0], "loss": float(red[-2]) / world.world_size,
+            rec = {"step": step, "epoch": plan.position(step - 1)[0],
+                   "loss": float(red[-2]) / world.world_size / n_since,
                    **pooled(red[:-2].reshape(3, -1)), "tokens": int(red[-1]), "tok_s": float(red[-1]) / dt,
                    "lr": sched.get_last_lr()[0], "time": time.time()}
             metrics.write(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc_j'][0]:.2f}", tau=f"{rec['accept_len']:.2f}",
                             tok_s=f"{rec['tok_s']:,.0f}")
             result = rec
-            t_last, tokens_since = time.perf_counter(), 0
+            t_last, tokens_since, n_since = time.perf_counter(), 0, 0
+            since.zero_()
         bar.update(1)
         if held_refs and (step % cfg.eval_interval == 0 or step == total):
             ev = {"step": step, "split": "eval", **evaluate()}

@@ -1,0 +1,189 @@
+"""The fast training path (train/kernels.py, ttt_forward(fast=True), eagle3_loss_fused) computes the same function
+and gradients as the plain path, which the other tests hold to naive float64 references. On the CPU the flash kernel
+is torch's CPU flash attention; test_cuda_* run the CUDA kernels where a GPU exists (the device bench runs them)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle3.train import kernels
+from eagle3.train.loss import draft_index, eagle3_loss, eagle3_loss_fused
+
+from test_drafter import batch, make_drafter, ttt_reference
+from test_loss import data as loss_data
+from test_loss import make_drafter as make_loss_drafter
+from test_loss import naive_loss
+
+
+def dense_attention(q, k0, v0, dk, dv, scale):
+    """softmax over [k0 causal | diagonal keys] with an explicit mask (the definition)."""
+    B, nh, T, d = q.shape
+    rep = nh // k0.shape[1]
+    keys = torch.cat([k0, *dk], 2).repeat_interleave(rep, 1)
+    vals = torch.cat([v0, *dv], 2).repeat_interleave(rep, 1)
+    allowed = torch.zeros(T, (len(dk) + 1) * T, dtype=torch.bool)
+    allowed[:, :T] = torch.ones(T, T, dtype=torch.bool).tril()
+    for i in range(1, len(dk) + 1):
+        allowed[torch.arange(T), i * T + torch.arange(T)] = True
+    sc = (q @ keys.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    return torch.softmax(sc, -1) @ vals
+
+
+def grads_of(fn, inputs, seed=0):
+    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = fn(*xs)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    (out * g).sum().backward()
+    return out.detach(), [x.grad for x in xs]
+
+
+@pytest.mark.parametrize("nkv,j", [(4, 0), (4, 3), (2, 2), (1, 5)])
+def test_causal_plus_diagonal_matches_dense_mask_with_gradients(nkv, j):
+    gen = torch.Generator().manual_seed(nkv * 10 + j)
+    B, nh, T, d = 2, 4, 13, 8
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64) * 2  # noqa: E731
+    q, k0, v0 = r(B, nh, T, d), r(B, nkv, T, d), r(B, nkv, T, d)
+    dk, dv = [r(B, nkv, T, d) for _ in range(j)], [r(B, nkv, T, d) for _ in range(j)]
+    scale = d ** -0.5
+    inputs = [q, k0, v0, *dk, *dv]
+
+    def split(f):
+        return lambda q, k0, v0, *rest: f(q, k0, v0, rest[:j], rest[j:], scale)
+    out, g = grads_of(split(kernels.causal_plus_diagonal), inputs)
+    ref, g_ref = grads_of(split(dense_attention), inputs)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_rms_norm_and_silu_mul_match_plain_autograd():
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(3, 7, 16, generator=gen, dtype=torch.float64), 1 + torch.randn(16, generator=gen, dtype=torch.float64)
+    plain = lambda x, w: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))  # noqa: E731
+    out, g = grads_of(lambda x, w: kernels.rms_norm(x, w, 1e-6), [x, w])
+    ref, g_ref = grads_of(plain, [x, w])
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    gu = torch.randn(5, 2 * 9, generator=gen, dtype=torch.float64) * 3
+    out, (g,) = grads_of(kernels.silu_mul, [gu])
+    ref, (g_ref,) = grads_of(lambda t: F.silu(t[:, :9]) * t[:, 9:], [gu])
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4, 1])
+def test_fast_ttt_matches_dense_reference(kv_heads):
+    d = make_drafter(num_key_value_heads=kv_heads)
+    aux, ids, am = batch(d)
+    outs = d.ttt_forward(aux, ids, am, steps=4, fast=True)
+    ref = ttt_reference(d, aux, ids, am, 4)
+    real = am.bool()
+    for j in range(4):
+        torch.testing.assert_close(outs[j][real], ref[j][real], rtol=1e-9, atol=1e-9)
+    # more steps than tokens
+    aux, ids, am = batch(d, B=2, T=3, lengths=(3, 2))
+    outs, ref = d.ttt_forward(aux, ids, am, steps=5, fast=True), ttt_reference(d, aux, ids, am, 5)
+    for j in range(5):
+        torch.testing.assert_close(outs[j][am.bool()], ref[j][am.bool()], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["none", "mlp", "step"])
+def test_fast_ttt_gradients_equal_plain(mode):
+    d = make_drafter()
+    aux, ids, am = batch(d)
+    w = [torch.randn(2, 11, 32, generator=torch.Generator().manual_seed(j), dtype=torch.float64) for j in range(4)]
+    grads = []
+    for fast in (False, True):
+        d.zero_grad()
+        d.activation_checkpointing = mode if fast else "none"
+        sum((m * wj).sum() for m, wj in zip(d.ttt_forward(aux, ids, am, steps=4, fast=fast), w)).backward()
+        grads.append({n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and "embed_tokens.weight" not in grads[0]
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("chunk", [1000, 5])
+def test_fused_loss_equals_naive_loop_and_plain_gradients(chunk):
+    d = make_loss_drafter()
+    th, W, ids, lm, am, ms = loss_data()
+    ref, ce, correct, count = naive_loss(d, ms, th, W, lm, am)
+    results = []
+    argmax = (th @ W.T).argmax(-1)
+    for variant in ("plain", "fused", "fused_argmax"):
+        d.zero_grad()
+        for m in ms:
+            m.grad = None
+        if variant == "plain":
+            loss, met = eagle3_loss(d, ms, th, W, ids, lm, am, chunk_tokens=chunk)
+        elif variant == "fused":
+            loss, met = eagle3_loss_fused(d, ms, th, ids, lm, am, chunk_tokens=chunk, lm_head_weight=W)
+        else:
+            loss, met = eagle3_loss_fused(d, ms, th, ids, lm, am, chunk_tokens=chunk, target_argmax=argmax,
+                                          draft_head_weight=W[d.t2d])
+        loss.backward()
+        results.append((loss.detach(), met, [d.lm_head.weight.grad.clone(), d.norm.weight.grad.clone()]
+                        + [m.grad.clone() for m in ms]))
+    assert min(count) > 0 and max(correct) > 0
+    for loss, met, g in results[1:]:
+        torch.testing.assert_close(loss, torch.tensor(ref, dtype=loss.dtype), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(met["ce_sum"], torch.tensor(ce, dtype=torch.float64), rtol=1e-10, atol=1e-10)
+        assert met["correct"].tolist() == correct
+        assert met["count"].tolist() == [float(c) for c in count]
+        for a, b in zip(g, results[0][2]):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_draft_index_inverts_the_vocab_map():
+    d = make_loss_drafter()
+    idx = draft_index(d.t2d)
+    ids = torch.arange(d.config.draft_vocab_size) + d.d2t
+    assert torch.equal(idx[ids], torch.arange(d.config.draft_vocab_size))
+    assert (idx[~d.t2d] == -1).all()
+
+
+def test_fast_path_bf16_error_no_worse_than_plain():
+    """In bf16 both paths sit at bf16 distance from the float64 truth; the fast one no further than the plain one."""
+    d = make_drafter()
+    aux, ids, am = batch(d)
+    ref = ttt_reference(d, aux, ids, am, 3)
+    real = am.bool()
+    errs = {}
+    for fast in (False, True):
+        dl = copy.deepcopy(d).to(torch.bfloat16)
+        outs = dl.ttt_forward(aux.bfloat16(), ids, am, steps=3, fast=fast)
+        errs[fast] = max(float((o[real].double() - r[real]).norm() / r[real].norm()) for o, r in zip(outs, ref))
+    assert errs[True] < 2e-2 and errs[True] < 1.5 * errs[False] + 1e-3, errs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device by bench/train_step.sh)")
+def test_cuda_fast_path_matches_float64_reference():
+    """CUDA flash kernels inside the fast path: bf16 outputs and gradients vs the float64 plain path on the CPU,
+    no further off than the plain bf16 path on the same GPU."""
+    d = make_drafter(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                     intermediate_size=512, target_hidden_size=256)
+    aux, ids, am = batch(d, B=2, T=300, lengths=(300, 211))
+    real = am.bool()
+    w = [torch.randn(2, 300, 256, generator=torch.Generator().manual_seed(j), dtype=torch.float64) for j in range(4)]
+
+    def run(model, fast, device, dtype):
+        model = copy.deepcopy(model).to(device=device, dtype=dtype)
+        model.zero_grad()
+        outs = model.ttt_forward(aux.to(device, dtype), ids.to(device), am.to(device), steps=4, fast=fast)
+        sum((o.double() * wj.to(device))[real.to(device)].sum() for o, wj in zip(outs, w)).backward()
+        return ([o.detach().double().cpu()[real] for o in outs],
+                {n: p.grad.double().cpu() for n, p in model.named_parameters() if p.grad is not None})
+
+    ref_o, ref_g = run(d, False, "cpu", torch.float64)
+    err = {}
+    for fast in (False, True):
+        o, g = run(d, fast, "cuda", torch.bfloat16)
+        err[fast] = (max(float((a - b).norm() / b.norm()) for a, b in zip(o, ref_o)),
+                     max(float((g[n] - ref_g[n]).norm() / ref_g[n].norm()) for n in ref_g))
+    assert err[True][0] < 2e-2 and err[True][1] < 5e-2, err
+    assert err[True][0] < 1.5 * err[False][0] + 1e-3 and err[True][1] < 1.5 * err[False][1] + 1e-3, err

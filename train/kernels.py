@@ -1,0 +1,282 @@
+"""Memory-lean autograd pieces of the fast training path (`Eagle3Drafter.ttt_forward(fast=True)`, `eagle3_loss(
+fused=True)`). Each computes exactly the function of its plain counterpart in drafter.py / loss.py (tests compare them
+on the CPU; bench/train_step.py on the GPU), but saves fewer activations and syncs nothing to the host.
+
+* `rms_norm`: saves the input and one fp32 rstd per row (the plain module keeps two fp32 copies of the input).
+* `silu_mul`: silu(gate) * up from the fused [.., 2I] gate_up output, saving only that output.
+* `causal_plus_diagonal`: TTT attention (contract §5) as one flash-attention call over the step-0 keys plus the
+  diagonal keys merged by log-sum-exp. Backward re-uses the flash kernel's own backward: called with the MERGED output
+  and MERGED log-sum-exp, it yields exactly the step-0 keys' share of the gradient (the kernel uses `out` only for
+  D = rowsum(dO * out) and `lse` only to rebuild P, and both are the full softmax's), so no [T, (1+j)T] mask and no
+  log-sum-exp gradient are needed.
+* `linear_soft_cross_entropy`: draft lm_head + soft cross-entropy for all K steps in token chunks, gradients
+  computed in forward (the loss is the last op), so [tokens, draft_vocab] logits never exist beyond one chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+_COMPILED: dict = {}
+
+
+def _fused(fn):
+    """fn on CPU as written; on CUDA through torch.compile (dynamic shapes, compiled once per function), which fuses
+    its chains of elementwise ops and reductions into a few kernels. Same math either way: tests hold the CPU
+    version to float64 references and the device run holds the compiled one to the same."""
+    def call(*args):
+        if not args[0].is_cuda:
+            return fn(*args)
+        if fn not in _COMPILED:
+            _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+        return _COMPILED[fn](*args)
+    call.__wrapped__ = fn
+    return call
+
+
+# ------------------------------------------------------------------------------------------------ RMSNorm
+
+@_fused
+def _rms_fwd(x, weight, eps: float):
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (xf * rstd).to(x.dtype), rstd  # the plain module's rounding: normalise, cast, then scale
+
+
+@_fused
+def _rms_bwd(x, weight, rstd, g):
+    acc = rstd.dtype
+    xhat = x.to(acc) * rstd
+    gf = g.to(acc)
+    gw = (gf * xhat.to(x.dtype).to(acc)).reshape(-1, x.shape[-1]).sum(0)
+    gn = gf * weight.to(acc)
+    gx = rstd * (gn - xhat * (gn * xhat).mean(-1, keepdim=True))
+    return gx.to(x.dtype), gw.to(weight.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = _rms_fwd(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, rstd = ctx.saved_tensors
+        gx, gw = _rms_bwd(x, weight, rstd, g)
+        return gx, gw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _RMSNorm.apply(x, weight, eps)
+
+
+# ------------------------------------------------------------------------------------------------ SiLU * up
+
+@_fused
+def _silu_mul_fwd(gate_up):
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+@_fused
+def _silu_mul_bwd(gate_up, dz):
+    acc = torch.promote_types(gate_up.dtype, torch.float32)
+    g, u = (t.to(acc) for t in gate_up.chunk(2, dim=-1))
+    sg = torch.sigmoid(g)
+    dzf = dz.to(acc)
+    return torch.cat([dzf * u * sg * (1 + g * (1 - sg)), dzf * g * sg], dim=-1).to(gate_up.dtype)
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up):
+        ctx.save_for_backward(gate_up)
+        return _silu_mul_fwd(gate_up)
+
+    @staticmethod
+    def backward(ctx, dz):
+        (gate_up,) = ctx.saved_tensors
+        return _silu_mul_bwd(gate_up, dz)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] (gate then up) -> silu(gate) * up [..., I]."""
+    return _SiluMul.apply(gate_up)
+
+
+# ------------------------------------------------------------------------------------------------ attention
+
+def _flash_forward(q, k, v, scale):
+    """Causal attention with its log-sum-exp: (out [B, h, T, d], lse [B, h, T] fp32, state for backward)."""
+    if q.is_cuda:
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+        return r[0], r[1], (r[2], r[3], r[4], r[5], r[6], r[7])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return out, lse, None
+
+
+def _flash_backward(dout, q, k, v, out, lse, state, scale):
+    if q.is_cuda:
+        cq, ck, mq, mk, seed, offset = state
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, True, seed, offset, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, True, scale=scale)
+
+
+def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def _fold_kv(g: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Gradient of _expand_kv: sum the n_rep query heads that shared a kv head."""
+    if n_rep == 1:
+        return g
+    B, nh, T, d = g.shape
+    return g.view(B, nh // n_rep, n_rep, T, d).sum(2)
+
+
+@_fused
+def _merge_fwd(q, o_c, lse_c, kd, vd, scale: float):
+    """Fold the diagonal keys kd/vd [j, B, h, T, d] into the causal block's (o_c, lse_c): merged out, merged lse."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = (q.to(acc).unsqueeze(0) * kd.to(acc)).sum(-1) * scale             # [j, B, h, T]
+    lse = torch.logaddexp(lse_c.to(acc), torch.logsumexp(s, dim=0))
+    out = torch.exp(lse_c.to(acc) - lse).unsqueeze(-1) * o_c.to(acc) \
+        + (torch.exp(s - lse).unsqueeze(-1) * vd.to(acc)).sum(0)
+    return out.to(q.dtype), lse
+
+
+@_fused
+def _merge_bwd(q, dout, out, lse, kd, vd, dq_causal, scale: float):
+    """The diagonal keys' share of the gradient, given the merged out/lse: (dq total, dk [j, ...], dv [j, ...])."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qf, df = q.to(acc), dout.to(acc)
+    D = (df * out.to(acc)).sum(-1)                                         # rowsum(dO * O) of the full softmax
+    kf = kd.to(acc)
+    p = torch.exp((qf.unsqueeze(0) * kf).sum(-1) * scale - lse)            # [j, B, h, T]
+    ds = p * ((df.unsqueeze(0) * vd.to(acc)).sum(-1) - D) * scale
+    dq = dq_causal.to(acc) + (ds.unsqueeze(-1) * kf).sum(0)
+    return dq.to(q.dtype), (ds.unsqueeze(-1) * qf).to(kd.dtype), (p.unsqueeze(-1) * df).to(vd.dtype)
+
+
+class _CausalPlusDiagonal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scale, n_rep, q, k0, v0, *diag):
+        j = len(diag) // 2
+        o_c, lse_c, state = _flash_forward(q, _expand_kv(k0, n_rep), _expand_kv(v0, n_rep), scale)
+        if j == 0:
+            out, lse = o_c, lse_c
+            kd = vd = None
+        else:
+            kd = torch.stack([_expand_kv(k, n_rep) for k in diag[:j]])
+            vd = torch.stack([_expand_kv(v, n_rep) for v in diag[j:]])
+            merged, lse = _merge_fwd(q, o_c, lse_c, kd, vd, scale)
+            out = torch.empty_strided(o_c.shape, o_c.stride(), dtype=o_c.dtype, device=o_c.device)
+            out.copy_(merged)  # keep the kernel's own layout: its backward is handed this tensor
+            lse = lse.to(lse_c.dtype).contiguous()
+        ctx.save_for_backward(q, k0, v0, out, lse, *([kd, vd] if j else []))
+        ctx.state, ctx.scale, ctx.n_rep, ctx.j = state, scale, n_rep, j
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k0, v0, out, lse, *kv = ctx.saved_tensors
+        scale, n_rep, j = ctx.scale, ctx.n_rep, ctx.j
+        if dout.stride() != out.stride():
+            d2 = torch.empty_strided(out.shape, out.stride(), dtype=dout.dtype, device=dout.device)
+            d2.copy_(dout)
+            dout = d2
+        dq, dk0, dv0 = _flash_backward(dout, q, _expand_kv(k0, n_rep), _expand_kv(v0, n_rep), out, lse, ctx.state,
+                                       scale)
+        gk = gv = ()
+        if j:
+            kd, vd = kv
+            dq, dkd, dvd = _merge_bwd(q, dout, out, lse, kd, vd, dq, scale)
+            gk = tuple(_fold_kv(g, n_rep) for g in dkd.unbind(0))
+            gv = tuple(_fold_kv(g, n_rep) for g in dvd.unbind(0))
+        return (None, None, dq, _fold_kv(dk0, n_rep), _fold_kv(dv0, n_rep), *gk, *gv)
+
+
+def causal_plus_diagonal(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: Sequence[torch.Tensor],
+                         diag_v: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
+    """Same function as drafter.attention_causal_plus_diagonal (query t attends to k0[<= t] and to diag_k[i][t]);
+    q [B, nh, T, d], k0/v0/diag [B, nkv, T, d]. With no diagonal keys it is plain causal attention."""
+    if len(diag_k) != len(diag_v):
+        raise ValueError("diag_k and diag_v differ in length")
+    n_rep = q.shape[1] // k0.shape[1]
+    return _CausalPlusDiagonal.apply(scale, n_rep, q, k0, v0, *diag_k, *diag_v)
+
+
+# ------------------------------------------------------------------------------------------------ lm_head + loss
+
+@_fused
+def _soft_ce_chunk(logits, p, w, ok, tgt):
+    """One chunk: (sum w * ce, sum ce over ok, argmax hits over ok, d(sum w * ce)/d(logits) in logits' dtype)."""
+    lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    p = p.to(lf.dtype)
+    lse = torch.logsumexp(lf, dim=-1)
+    psum = p.sum(-1)
+    ce = lse * psum - (p * lf).sum(-1)
+    hits = ((lf.argmax(-1) == tgt) & ok).sum()
+    # d(ce)/d(logits) = psum * softmax - p, weighted per row
+    g = ((torch.exp(lf - lse.unsqueeze(-1)) * psum.unsqueeze(-1) - p) * w.to(lf.dtype).unsqueeze(-1)).to(logits.dtype)
+    return (w * ce).sum(), torch.where(ok, ce, 0).sum(), hits, g
+
+
+class _LinearSoftCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, teacher_p, teacher_argmax, chunk, rows, row_weights, valid, *xs):
+        K = len(xs)
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if weight.requires_grad else None
+        gxs = []
+        loss = torch.zeros((), dtype=acc, device=weight.device)
+        ce_sum = torch.zeros(K, dtype=torch.float64, device=weight.device)
+        correct = torch.zeros(K, dtype=torch.float64, device=weight.device)
+        for jj, x in enumerate(xs):
+            gx = torch.empty_like(x) if x.requires_grad else None
+            for s in range(0, x.shape[0], chunk):
+                xc = x[s:s + chunk]
+                r = rows[jj, s:s + chunk]
+                l_part, ce_part, hits, g = _soft_ce_chunk(xc @ weight.T, teacher_p.index_select(0, r),
+                                                          row_weights[jj, s:s + chunk], valid[jj, s:s + chunk],
+                                                          teacher_argmax.index_select(0, r))
+                loss += l_part
+                ce_sum[jj] += ce_part
+                correct[jj] += hits
+                if gx is not None:
+                    gx[s:s + chunk] = g @ weight
+                if gw is not None:
+                    gw += (g.T @ xc).to(acc)
+            gxs.append(gx)
+        ctx.save_for_backward(gw if gw is not None else torch.empty(0), *[g if g is not None else torch.empty(0)
+                                                                          for g in gxs])
+        ctx.has_gw, ctx.has_gx = gw is not None, [g is not None for g in gxs]
+        ctx.mark_non_differentiable(ce_sum, correct)
+        return loss, ce_sum, correct
+
+    @staticmethod
+    def backward(ctx, gloss, _g1, _g2):
+        gw, *gxs = ctx.saved_tensors
+        dw = (gw * gloss).to(gw.dtype) if ctx.has_gw else None
+        out = [(g * gloss.to(g.dtype)) if has else None for g, has in zip(gxs, ctx.has_gx)]
+        return (dw, None, None, None, None, None, None, *out)
+
+
+def linear_soft_cross_entropy(xs: Sequence[torch.Tensor], weight: torch.Tensor, teacher_p: torch.Tensor,
+                              teacher_argmax: torch.Tensor, rows: torch.Tensor, row_weights: torch.Tensor,
+                              valid: torch.Tensor, chunk: int = 4096):
+    """Weighted soft cross-entropy of K heads sharing one lm_head, without keeping any logits.
+
+    xs: K tensors [N, H] (normed draft states); weight [V, H]; teacher_p [M, V] (rows sum to 1) and teacher_argmax
+    [M] (draft ids); rows [K, N] long: the teacher row of each (step, token); row_weights [K, N]: the loss weight of
+    each (e.g. decay^j / count_j, 0 where not counted); valid [K, N] bool: counted in the metrics.
+    Returns (loss = sum row_weights * ce, ce_sum [K] fp64 over valid, correct [K] fp64: argmax hits over valid).
+    """
+    return _LinearSoftCE.apply(weight, teacher_p, teacher_argmax, int(chunk), rows, row_weights, valid, *xs)
