@@ -124,6 +124,7 @@ def main():
     from eagle3.dump.job import DumpConfig, run_dump
     from eagle3.contract import load_manifest
     root = a.disk or tempfile.mkdtemp(prefix="eagle3-dump-bench-")
+    os.makedirs(root, exist_ok=True)
     rate = disk_rate(root, gib=a.probe_gib)
     env = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "torch": torch.__version__, "cmd": " ".join(sys.argv),
            "disk_write_gb_s": round(rate / 1e9, 3), "time": time.strftime("%Y-%m-%d %H:%M:%S")}

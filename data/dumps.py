@@ -7,10 +7,12 @@ checked on first open; dumps whose target, capture indices, hidden size or token
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
 import torch
+import torch.utils.data
 from safetensors import safe_open
 from tqdm import tqdm
 
@@ -97,7 +99,7 @@ class DumpSet:
         a, b = ref.start, ref.start + ref.length
         return {k: f.get_slice(k)[a:b] for k in names}
 
-    def standardized(self, ref: SampleRef) -> dict:
+    def standardized(self, ref: SampleRef, concat: bool = True) -> dict:
         keys = [C.INPUT_IDS, C.LOSS_MASK, C.FINAL_HIDDEN] + [C.hidden_state_key(k) for k in self.indices]
         try:
             if C.TARGET_ARGMAX in self._shard(ref.dump, ref.shard).keys():
@@ -107,7 +109,7 @@ class DumpSet:
             if isinstance(e, ContractError):
                 raise
             raise ContractError(f"{self.where(ref)}: cannot read ({type(e).__name__}: {e})") from e
-        return standardize_data_v1(raw, self.manifests[ref.dump], source=self.where(ref))
+        return standardize_data_v1(raw, self.manifests[ref.dump], source=self.where(ref), concat=concat)
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -135,16 +137,29 @@ def split(refs: list[SampleRef], held_out_fraction: float, seed: int = 0) -> tup
     return train, held
 
 
+def _batch_tensor(shape, dtype) -> torch.Tensor:
+    """Uninitialised; in a DataLoader worker, in shared memory already, so handing it over copies nothing."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    n = math.prod(shape)
+    storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(n)
+    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+
+
 def collate(samples: list[dict], pad_id: int = 0) -> dict:
-    """Right-pad standardized samples into a batch with an attention mask."""
+    """Right-pad standardized samples into a batch with an attention mask. Samples may carry `hidden_state` or
+    `hidden_parts` (standardized(concat=False)): the parts are written straight into their columns."""
     B, T = len(samples), max(s["input_ids"].shape[0] for s in samples)
     first = samples[0]
+    parts0 = first.get("hidden_parts")
+    hs_dtype = first["hidden_state"].dtype if parts0 is None else parts0[0].dtype
+    hs_width = first["hidden_state"].shape[-1] if parts0 is None else sum(p.shape[-1] for p in parts0)
     out = {
         "input_ids": torch.full((B, T), pad_id, dtype=torch.long),
         "loss_mask": torch.zeros((B, T), dtype=torch.uint8),
         "attention_mask": torch.zeros((B, T), dtype=torch.long),
-        "hidden_state": torch.zeros((B, T, first["hidden_state"].shape[-1]), dtype=first["hidden_state"].dtype),
-        "target_hidden": torch.zeros((B, T, first["target_hidden"].shape[-1]), dtype=first["target_hidden"].dtype),
+        "hidden_state": _batch_tensor((B, T, hs_width), hs_dtype),
+        "target_hidden": _batch_tensor((B, T, first["target_hidden"].shape[-1]), first["target_hidden"].dtype),
     }
     if all("target_argmax" in s for s in samples):  # the dump recorded the teacher's argmax (all or nothing)
         out["target_argmax"] = torch.zeros((B, T), dtype=torch.long)
@@ -155,6 +170,14 @@ def collate(samples: list[dict], pad_id: int = 0) -> dict:
         out["input_ids"][b, :n] = s["input_ids"]
         out["loss_mask"][b, :n] = s["loss_mask"]
         out["attention_mask"][b, :n] = 1
-        out["hidden_state"][b, :n] = s["hidden_state"]
+        if "hidden_parts" in s:
+            c = 0
+            for p in s["hidden_parts"]:
+                out["hidden_state"][b, :n, c:c + p.shape[-1]] = p
+                c += p.shape[-1]
+        else:
+            out["hidden_state"][b, :n] = s["hidden_state"]
         out["target_hidden"][b, :n] = s["target_hidden"]
+        out["hidden_state"][b, n:] = 0  # only the padding is zeroed (the rest was just written)
+        out["target_hidden"][b, n:] = 0
     return out

@@ -88,7 +88,7 @@ class _Samples(Dataset):
         return len(self.refs)
 
     def __getitem__(self, i: int) -> dict:
-        return self.dumps.standardized(self.refs[i])
+        return self.dumps.standardized(self.refs[i], concat=False)  # collate places the parts
 
 
 def make_loader(dumps: DumpSet, refs: list[SampleRef], plan: BatchPlan, start_step: int = 0,

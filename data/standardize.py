@@ -15,11 +15,12 @@ from eagle3.contract import ContractError, DumpManifest
 VERSION = C.STANDARDIZE_VERSION
 
 
-def standardize_data_v1(sample: dict, manifest: DumpManifest, source: str = "sample") -> dict:
+def standardize_data_v1(sample: dict, manifest: DumpManifest, source: str = "sample", concat: bool = True) -> dict:
     """sample: `input_ids [T]`, `loss_mask [T]`, `hidden_states.<k> [T, H]` per captured k, `final_hidden [T, H]`.
 
     Returns `input_ids [T]`, `loss_mask [T]`, `hidden_state [T, n*H]` (ascending HF index), `target_hidden [T, H]`.
-    `source` names the shard and sample in errors."""
+    `source` names the shard and sample in errors. concat=False returns `hidden_parts` (the list that
+    hidden_state concatenates, ascending HF index) instead, for `data.dumps.collate` to write in place."""
     indices = sorted(manifest.capture.hidden_state_indices)
     H = manifest.target.hidden_size
     missing = [C.hidden_state_key(k) for k in indices if C.hidden_state_key(k) not in sample]
@@ -36,12 +37,16 @@ def standardize_data_v1(sample: dict, manifest: DumpManifest, source: str = "sam
         if tuple(t.shape) != (T, H):
             raise ContractError(f"{source}: {name} has shape {tuple(t.shape)}, expected ({T}, {H}) "
                                 f"(hidden size {H} from the manifest)")
-        if not torch.isfinite(t).all():
+        # one reduction pass (a NaN/Inf anywhere makes the fp32 sum non-finite); the exact test only to confirm
+        if not torch.isfinite(t.sum(dtype=torch.float32)) and not torch.isfinite(t).all():
             raise ContractError(f"{source}: {name} contains NaN or Inf")
     if sample[C.LOSS_MASK].shape[0] != T:
         raise ContractError(f"{source}: loss_mask has {sample[C.LOSS_MASK].shape[0]} tokens, input_ids {T}")
-    out = {"input_ids": sample[C.INPUT_IDS], "loss_mask": sample[C.LOSS_MASK],
-           "hidden_state": torch.cat(parts, dim=-1), "target_hidden": sample[C.FINAL_HIDDEN]}
+    out = {"input_ids": sample[C.INPUT_IDS], "loss_mask": sample[C.LOSS_MASK], "target_hidden": sample[C.FINAL_HIDDEN]}
+    if concat:
+        out["hidden_state"] = torch.cat(parts, dim=-1)
+    else:  # the same columns, left for the batch collate to place (saves a copy of every sample)
+        out["hidden_parts"] = parts
     if C.TARGET_ARGMAX in sample:  # optional: the target's full-vocab argmax per token (the fast teacher)
         am = sample[C.TARGET_ARGMAX]
         if am.shape != (T,):

@@ -79,12 +79,15 @@ class _Writer:
     """Writes finished shards on a background thread so the next shard's forwards overlap the disk. A shard's
     host tensors may still be arriving from the GPU (async copies): the thread waits for their events first."""
 
-    def __init__(self, out: str, indices: list[int], meta: dict):
+    def __init__(self, out: str, indices: list[int], meta: dict, threads: int = 3):
+        # Several shards in flight: one shard's sha256 runs at roughly the disk's rate, so one writer alone
+        # would leave the disk idle part of the time; shards are independent files.
         self.out, self.indices, self.meta = out, indices, meta
-        self.q: queue.Queue = queue.Queue(maxsize=1)
+        self.q: queue.Queue = queue.Queue(maxsize=threads)
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(threads)]
+        for t in self.threads:
+            t.start()
 
     def _loop(self):
         while (item := self.q.get()) is not None:
@@ -101,8 +104,10 @@ class _Writer:
         self.q.put((j, samples, list(events)))
 
     def close(self):
-        self.q.put(None)
-        self.thread.join()
+        for _ in self.threads:
+            self.q.put(None)
+        for t in self.threads:
+            t.join()
         self._raise()
 
     def _raise(self):
