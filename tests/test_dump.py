@@ -57,6 +57,9 @@ def test_captured_states_equal_output_hidden_states(tiny_targets, convs, tmp_pat
         # the teacher's input: post-final-norm state, the one the target's lm_head turns into logits
         torch.testing.assert_close(s[C.FINAL_HIDDEN], hs[-1][0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(model.lm_head(s[C.FINAL_HIDDEN]), logits[0], atol=1e-4, rtol=1e-4)
+        # the teacher's full-vocab argmax, recorded at dump time for the trainer's draft-row teacher
+        assert s[C.TARGET_ARGMAX].dtype == torch.int32
+        assert torch.equal(s[C.TARGET_ARGMAX].long(), logits[0].argmax(-1))
         assert s[C.LOSS_MASK].dtype == torch.uint8 and s[C.INPUT_IDS].dtype == torch.int32
         assert 0 < int(s[C.LOSS_MASK].sum()) < len(s[C.LOSS_MASK])
 
@@ -231,3 +234,30 @@ def test_preset_mismatch_is_refused(tiny_targets, convs, tmp_path):
                         tiny_targets["kimi_k25"], "--data", convs, "--out", str(tmp_path / "d")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "num_hidden_layers expected 61, found 6" in r.stderr
+
+
+def test_without_argmax_the_shards_have_no_argmax_and_batches_none(tiny_targets, convs, tmp_path):
+    from eagle3.data.dumps import DumpSet, collate
+    dump(tiny_targets["llama"], convs, tmp_path / "d", record_argmax=False, num_samples=4)
+    samples, m = read_dump(tmp_path / "d")
+    assert all(C.TARGET_ARGMAX not in s for s in samples.values())
+    ds = DumpSet(str(tmp_path / "d"))
+    assert "target_argmax" not in collate([ds.standardized(r) for r in ds.refs])
+
+
+def test_shard_writer_bytes_are_deterministic_and_hashed_while_written(tmp_path):
+    from safetensors import safe_open
+    from eagle3.dump.shards import write_safetensors
+    g = torch.Generator().manual_seed(0)
+    pieces = {"a": [torch.randn(3, 5, generator=g).bfloat16(), torch.randn(0, 5).bfloat16(),
+                    torch.randn(4, 5, generator=g).bfloat16()],
+              "b": [torch.arange(7, dtype=torch.int64)], "c": [torch.ones(3, dtype=torch.uint8)]}
+    shas = [write_safetensors(str(tmp_path / f"{i}.safetensors"), pieces, {"m": "x"}) for i in range(2)]
+    blobs = [(tmp_path / f"{i}.safetensors").read_bytes() for i in range(2)]
+    assert blobs[0] == blobs[1] and shas[0] == shas[1] == C.file_sha256(str(tmp_path / "0.safetensors"))
+    with safe_open(str(tmp_path / "0.safetensors"), "pt") as f:
+        assert f.metadata() == {"m": "x"}
+        for k, v in pieces.items():
+            assert torch.equal(f.get_tensor(k), torch.cat(v))
+    with pytest.raises(ValueError, match="dtype"):
+        write_safetensors(str(tmp_path / "bad.safetensors"), {"a": [torch.zeros(2), torch.zeros(2).double()]}, {})
