@@ -231,16 +231,16 @@ def _soft_ce_chunk(logits, p, w, ok, tgt):
 
 class _LinearSoftCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, teacher_p, teacher_argmax, chunk, rows, row_weights, valid, *xs):
+    def forward(ctx, weight, teacher_p, teacher_argmax, chunk, rows, row_weights, valid, grad, *xs):
         K = len(xs)
         acc = torch.promote_types(weight.dtype, torch.float32)
-        gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if weight.requires_grad else None
+        gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if grad and weight.requires_grad else None
         gxs = []
         loss = torch.zeros((), dtype=acc, device=weight.device)
         ce_sum = torch.zeros(K, dtype=torch.float64, device=weight.device)
         correct = torch.zeros(K, dtype=torch.float64, device=weight.device)
         for jj, x in enumerate(xs):
-            gx = torch.empty_like(x) if x.requires_grad else None
+            gx = torch.empty_like(x) if grad and x.requires_grad else None
             for s in range(0, x.shape[0], chunk):
                 xc = x[s:s + chunk]
                 r = rows[jj, s:s + chunk]
@@ -266,7 +266,7 @@ class _LinearSoftCE(torch.autograd.Function):
         gw, *gxs = ctx.saved_tensors
         dw = (gw * gloss).to(gw.dtype) if ctx.has_gw else None
         out = [(g * gloss.to(g.dtype)) if has else None for g, has in zip(gxs, ctx.has_gx)]
-        return (dw, None, None, None, None, None, None, *out)
+        return (dw, None, None, None, None, None, None, None, *out)
 
 
 def linear_soft_cross_entropy(xs: Sequence[torch.Tensor], weight: torch.Tensor, teacher_p: torch.Tensor,
@@ -279,4 +279,6 @@ def linear_soft_cross_entropy(xs: Sequence[torch.Tensor], weight: torch.Tensor, 
     each (e.g. decay^j / count_j, 0 where not counted); valid [K, N] bool: counted in the metrics.
     Returns (loss = sum row_weights * ce, ce_sum [K] fp64 over valid, correct [K] fp64: argmax hits over valid).
     """
-    return _LinearSoftCE.apply(weight, teacher_p, teacher_argmax, int(chunk), rows, row_weights, valid, *xs)
+    # Gradients are computed in forward only when a backward can follow (not under no_grad, e.g. held-out eval).
+    return _LinearSoftCE.apply(weight, teacher_p, teacher_argmax, int(chunk), rows, row_weights, valid,
+                               torch.is_grad_enabled(), *xs)
