@@ -187,3 +187,18 @@ def test_cuda_fast_path_matches_float64_reference():
                      max(float((g[n] - ref_g[n]).norm() / ref_g[n].norm()) for n in ref_g))
     assert err[True][0] < 2e-2 and err[True][1] < 5e-2, err
     assert err[True][0] < 1.5 * err[False][0] + 1e-3 and err[True][1] < 1.5 * err[False][1] + 1e-3, err
+
+
+def test_train_step_uses_the_fast_path_below_zero3_and_refuses_step_checkpointing_without_it():
+    from eagle3.train.config import TrainConfig
+    from eagle3.train.trainer import DrafterTrainStep
+    d = make_loss_drafter()
+    head = torch.randn(d.config.vocab_size, d.config.target_hidden_size, dtype=torch.float64)
+    fast = DrafterTrainStep(d, head, TrainConfig(zero_stage=2))
+    assert fast.fast and torch.equal(fast.draft_head, head[d.t2d])
+    plain = DrafterTrainStep(d, head, TrainConfig(zero_stage=3))
+    assert not plain.fast and plain.draft_head is None
+    with pytest.raises(ValueError, match="fast path"):
+        DrafterTrainStep(d, head, TrainConfig(zero_stage=3, activation_checkpointing="step"))
+    with pytest.raises(ValueError, match="none, mlp or step"):
+        TrainConfig(activation_checkpointing="sometimes")

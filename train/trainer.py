@@ -41,11 +41,14 @@ class DrafterTrainStep(nn.Module):
     def __init__(self, drafter: nn.Module, target_lm_head: torch.Tensor, cfg: TrainConfig):
         super().__init__()
         self.drafter = drafter
-        self.register_buffer("target_lm_head", target_lm_head, persistent=False)
-        self.register_buffer("draft_head", target_lm_head[drafter.t2d.to(target_lm_head.device)].clone(),
-                             persistent=False)
         self.steps, self.decay, self.chunk = cfg.ttt_steps, cfg.step_decay, cfg.teacher_chunk_tokens
         self.fast = bool(cfg.fast_path) and cfg.zero_stage < 3
+        if not self.fast and cfg.activation_checkpointing == "step":
+            raise ValueError("--activation-checkpointing step needs the fast path (--fast-path, ZeRO 0-2); "
+                             "the plain path recomputes the MLP only ('mlp')")
+        self.register_buffer("target_lm_head", target_lm_head, persistent=False)
+        draft_rows = target_lm_head[drafter.t2d.to(target_lm_head.device)].clone() if self.fast else None
+        self.register_buffer("draft_head", draft_rows, persistent=False)
 
     def forward(self, hidden_state, input_ids, attention_mask, loss_mask, target_hidden, target_argmax=None):
         from eagle3.train.loss import eagle3_loss, eagle3_loss_fused
