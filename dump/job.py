@@ -79,17 +79,20 @@ class _Writer:
     """Writes finished shards on a background thread so the next shard's forwards overlap the disk. A shard's
     host tensors may still be arriving from the GPU (async copies): the thread waits for their events first."""
 
-    def __init__(self, out: str, indices: list[int], meta: dict, threads: int = 3):
+    def __init__(self, out: str, indices: list[int], meta: dict, device: torch.device, threads: int = 3):
         # Several shards in flight: one shard's sha256 runs at roughly the disk's rate, so one writer alone
-        # would leave the disk idle part of the time; shards are independent files.
-        self.out, self.indices, self.meta = out, indices, meta
-        self.q: queue.Queue = queue.Queue(maxsize=threads)
+        # would leave the disk idle part of the time; shards are independent files. Host memory held: the shards
+        # being written, one queued and the one being collected.
+        self.out, self.indices, self.meta, self.device = out, indices, meta, device
+        self.q: queue.Queue = queue.Queue(maxsize=1)
         self.error: BaseException | None = None
         self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(threads)]
         for t in self.threads:
             t.start()
 
     def _loop(self):
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # a new thread starts on GPU 0: don't make a context there
         while (item := self.q.get()) is not None:
             if self.error is None:
                 try:
@@ -161,8 +164,8 @@ def _check_out_dir(out: str, identity: dict, plan_hash: str, cfg: DumpConfig) ->
             return f"{e}\nrefusing to mix them: use a new --out"
         if old.get("plan_sha256") != plan_hash:
             return (f"{out} holds a dump of different data or arguments ({old.get('args')}); "
-                    f"resuming needs the same --data/--max-length/--num-samples/--dtype/--shard-size-mb, "
-                    "or use a new --out")
+                    f"resuming needs the same --data/--max-length/--num-samples/--dtype/--shard-size-mb "
+                    "(and --no-record-argmax for a dump started without target_argmax), or use a new --out")
         return None
     S.atomic_write_text(path, json.dumps(record, indent=1))
     return None
@@ -205,7 +208,8 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
     lengths = [len(s.input_ids) for s in samples]
     plan = plan_shards(lengths, bytes_per_token, int(cfg.shard_size_mb * 2**20))
     plan_hash = C.sha256_bytes(C.canonical_json(
-        [[samples[i].sample_index for i in sh] for sh in plan] + [lengths, cfg.dtype, cfg.record_argmax]))
+        [[samples[i].sample_index for i in sh] for sh in plan] + [lengths, cfg.dtype]
+        + ([C.TARGET_ARGMAX] if cfg.record_argmax else [])))  # without it: the same hash as dumps made before it
 
     D.fail_together(_check_out_dir(cfg.out, manifest.identity(), plan_hash, cfg) if world.is_main else None,
                     ContractError)
@@ -229,7 +233,7 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
                               info.hidden_size, tuple(probe.shape))
             meta = {"format": C.DUMP_FORMAT, "format_version": C.DUMP_FORMAT_VERSION,
                     "hidden_state_indices": indices, "target_config_sha256": info.config_sha256}
-            writer = _Writer(cfg.out, indices, meta) if writer_rank else None
+            writer = _Writer(cfg.out, indices, meta, device) if writer_rank else None
             bar = tqdm(total=sum(lengths[i] for j in mine for i in plan[j]), unit="tok", unit_scale=True,
                        desc=f"dump dp{dp_rank}", disable=not (cfg.progress and world.is_main), dynamic_ncols=True)
             bar.update(sum(lengths[i] for j in mine if j in finished for i in plan[j]))

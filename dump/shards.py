@@ -57,6 +57,16 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
+def _write_all(f, b: memoryview) -> None:
+    """An unbuffered write may be short (Linux moves at most ~2 GiB per call): loop until every byte is out."""
+    b = memoryview(b).cast("B")
+    while len(b):
+        n = f.write(b)
+        if not n:
+            raise OSError("write returned 0 bytes")
+        b = b[n:]
+
+
 def _hash_in_order(q: queue.Queue, h, err: list):
     while (b := q.get()) is not None:
         try:
@@ -90,12 +100,12 @@ def write_safetensors(path: str, tensors: dict[str, list[torch.Tensor]], metadat
     try:
         with open(path, "wb", buffering=0) as f:
             for b in (struct.pack("<Q", len(hb)), hb):
-                f.write(b)
+                _write_all(f, b)
                 q.put(b)
             for pieces in tensors.values():
                 for p in pieces:
                     b = _bytes(p)
-                    f.write(b)
+                    _write_all(f, b)
                     q.put(b)
             os.fsync(f.fileno())
     finally:

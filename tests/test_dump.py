@@ -261,3 +261,22 @@ def test_shard_writer_bytes_are_deterministic_and_hashed_while_written(tmp_path)
             assert torch.equal(f.get_tensor(k), torch.cat(v))
     with pytest.raises(ValueError, match="dtype"):
         write_safetensors(str(tmp_path / "bad.safetensors"), {"a": [torch.zeros(2), torch.zeros(2).double()]}, {})
+
+
+def test_shard_writer_survives_short_writes(tmp_path, monkeypatch):
+    """An unbuffered write may take fewer bytes than asked (Linux: ~2 GiB per call): nothing may be lost."""
+    import io
+    from safetensors import safe_open
+    from eagle3.dump import shards
+    real_open = open
+
+    class Short(io.FileIO):
+        def write(self, b):
+            return super().write(memoryview(b)[:7])  # at most 7 bytes per call
+    monkeypatch.setattr(shards, "open", lambda p, mode, buffering=-1: Short(p, "wb") if "w" in mode
+                        else real_open(p, mode, buffering), raising=False)
+    t = {"a": [torch.randn(5, 3)], "b": [torch.arange(4, dtype=torch.int32)]}
+    sha = shards.write_safetensors(str(tmp_path / "s.safetensors"), t, {})
+    assert sha == C.file_sha256(str(tmp_path / "s.safetensors"))
+    with safe_open(str(tmp_path / "s.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("a"), t["a"][0]) and torch.equal(f.get_tensor("b"), t["b"][0])

@@ -202,3 +202,12 @@ def test_train_step_uses_the_fast_path_below_zero3_and_refuses_step_checkpointin
         DrafterTrainStep(d, head, TrainConfig(zero_stage=3, activation_checkpointing="step"))
     with pytest.raises(ValueError, match="none, mlp or step"):
         TrainConfig(activation_checkpointing="sometimes")
+
+
+def test_flash_support_rules_send_unsupported_gpu_cases_to_the_plain_path():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert kernels.flash_supported(cuda, torch.bfloat16, 128) and kernels.flash_supported(cuda, torch.float16, 64)
+    assert not kernels.flash_supported(cuda, torch.float32, 128)     # fp32 training on a GPU
+    assert not kernels.flash_supported(cuda, torch.bfloat16, 12)     # head_dim not a multiple of 8
+    assert not kernels.flash_supported(cuda, torch.bfloat16, 512)    # beyond the kernel's 256
+    assert kernels.flash_supported(cpu, torch.float64, 12)

@@ -398,6 +398,10 @@ class Eagle3Drafter(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         if fast:
+            from eagle3.train.kernels import flash_supported
+            # fp32 training or an odd head_dim on a GPU: the plain path (same function) instead of a kernel error
+            fast = flash_supported(input_ids.device, self.dtype, self.config.head_dim)
+        if fast:
             return self._ttt_fast(hidden_state, input_ids, position_ids, steps)
         attn = self.midlayer.self_attn
         h = self.project_aux(hidden_state)

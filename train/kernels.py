@@ -129,6 +129,14 @@ def _flash_backward(dout, q, k, v, out, lse, state, scale):
         dout, q, k, v, out, lse, 0.0, True, scale=scale)
 
 
+def flash_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `causal_plus_diagonal` can run here: PyTorch's CUDA flash kernel takes fp16/bf16 and head_dim a
+    multiple of 8 up to 256; its CPU flash kernel takes any float dtype and size."""
+    if device.type != "cuda":
+        return True
+    return dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
+
+
 def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
