@@ -9,7 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_step import batch, build  # noqa: E402
+from train_step import batch, build, make_step  # noqa: E402
 
 
 def main():
@@ -19,23 +19,11 @@ def main():
     ap.add_argument("--rows", type=int, default=30)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     a = ap.parse_args()
-    from eagle3.train.loss import eagle3_loss, eagle3_loss_fused
     drafter, head = build()
     draft_head = head[drafter.t2d].clone()
     b = batch(a.tokens, head)
     for v in a.variants.split(","):
-        def step():
-            outs = drafter(b["hidden_state"], b["input_ids"], b["attention_mask"], steps=7, fast=v != "eager")
-            if v == "eager":
-                loss, _ = eagle3_loss(drafter, outs, b["target_hidden"], head, b["input_ids"], b["loss_mask"],
-                                      b["attention_mask"], chunk_tokens=4096)
-            else:
-                loss, _ = eagle3_loss_fused(drafter, outs, b["target_hidden"], b["input_ids"], b["loss_mask"],
-                                            b["attention_mask"], chunk_tokens=4096, target_argmax=b["target_argmax"],
-                                            draft_head_weight=draft_head)
-            loss.backward()
-            for p in drafter.parameters():
-                p.grad = None
+        step = make_step(v, 7, drafter, head, draft_head, b)
         step(); step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -104,12 +104,11 @@ def timed(fn, iters, marks=1):
     return [statistics.median(t[i] for t in times) for i in range(marks)], times
 
 
-def run_plain(variant, T, K, iters, ckpt, drafter, head, draft_head):
+def make_step(variant, K, drafter, head, draft_head, b):
+    """One forward + backward of `variant` ('fast', 'fast_full' or 'eager') on batch b; grads dropped after."""
     from eagle3.train.loss import eagle3_loss, eagle3_loss_fused
-    drafter.activation_checkpointing = ckpt
-    b = batch(T, head)
 
-    def step(ev):
+    def step(ev=None):
         outs = drafter(b["hidden_state"], b["input_ids"], b["attention_mask"], steps=K, fast=variant != "eager")
         if variant == "eager":
             loss, _ = eagle3_loss(drafter, outs, b["target_hidden"], head, b["input_ids"], b["loss_mask"],
@@ -122,8 +121,12 @@ def run_plain(variant, T, K, iters, ckpt, drafter, head, draft_head):
         loss.backward()
         for p in drafter.parameters():
             p.grad = None
+    return step
 
-    (ms,), all_t = timed(step, iters)
+
+def run_plain(variant, T, K, iters, ckpt, drafter, head, draft_head):
+    drafter.activation_checkpointing = ckpt
+    (ms,), all_t = timed(make_step(variant, K, drafter, head, draft_head, batch(T, head)), iters)
     return {"ms": ms, "ms_all": [round(t[0], 1) for t in all_t]}
 
 

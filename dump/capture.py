@@ -20,6 +20,9 @@ def _tensor_of(output):
     return t
 
 
+ARGMAX = "argmax"  # states key of the target's full-vocab argmax [B, T] (when a head is given)
+
+
 class HiddenStateCapture:
     """`with HiddenStateCapture(backbone, [3, 31, 59]) as cap: backbone.module(...); cap.states` -> {k: [B,T,H], 'final': ...}"""
 
@@ -59,13 +62,17 @@ class HiddenStateCapture:
             final = self.states["final"]
             rows = final.reshape(-1, final.shape[-1])
             am = torch.cat([_tensor_of(self.head(c)).argmax(-1) for c in rows.split(self.head_chunk)])
-            self.states["argmax"] = am.to(torch.int32).view(final.shape[:-1])
+            self.states[ARGMAX] = am.to(torch.int32).view(final.shape[:-1])
         return self.states
 
 
 def verify_full_width(states: dict, hidden_size: int, batch_shape: tuple) -> None:
     """Stop before writing anything if a captured tensor is not the full residual stream (e.g. a TP shard)."""
     for k, t in states.items():
+        if k == ARGMAX:  # one id per token, over the whole vocab (a TP head returns gathered logits)
+            if tuple(t.shape) != tuple(batch_shape):
+                raise ContractError(f"captured argmax has shape {tuple(t.shape)}, expected {tuple(batch_shape)}")
+            continue
         if tuple(t.shape) != (*batch_shape, hidden_size):
             raise ContractError(f"captured tensor {k} has shape {tuple(t.shape)}, expected {(*batch_shape, hidden_size)}: "
                                 "not the full hidden size (a tensor-parallel shard?); refusing to dump")

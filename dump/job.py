@@ -25,7 +25,7 @@ from eagle3.batching import group_by_length
 from eagle3.contract import CaptureSpec, ContractError, DumpManifest
 from eagle3.dump import shards as S
 from eagle3.dump import targets as T
-from eagle3.dump.capture import HiddenStateCapture, verify_full_width
+from eagle3.dump.capture import ARGMAX, HiddenStateCapture, verify_full_width
 
 MANIFEST = C.MANIFEST_FILE
 DUMP_CONFIG = "dump_config.json"
@@ -229,8 +229,7 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
         to_host = _ToHost(device)
         with HiddenStateCapture(backbone, indices, head=head) as cap:
             probe = torch.as_tensor([samples[0].input_ids[:8]], device=device)
-            verify_full_width({k: v for k, v in cap.run(probe, torch.ones_like(probe)).items() if k != "argmax"},
-                              info.hidden_size, tuple(probe.shape))
+            verify_full_width(cap.run(probe, torch.ones_like(probe)), info.hidden_size, tuple(probe.shape))
             meta = {"format": C.DUMP_FORMAT, "format_version": C.DUMP_FORMAT_VERSION,
                     "hidden_state_indices": indices, "target_config_sha256": info.config_sha256}
             writer = _Writer(cfg.out, indices, meta, device) if writer_rank else None
@@ -253,8 +252,8 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
                             rec = {k: host[k][b, :n] for k in indices}
                             rec.update(final=host["final"][b, :n], sample_index=samples[i].sample_index,
                                        input_ids=samples[i].input_ids, loss_mask=samples[i].loss_mask)
-                            if "argmax" in host:
-                                rec["target_argmax"] = host["argmax"][b, :n]
+                            if ARGMAX in host:
+                                rec["target_argmax"] = host[ARGMAX][b, :n]
                             collected.append(rec)
                     del states
                     done_tokens += sum(lengths[i] for i in batch)

@@ -50,11 +50,8 @@ class TrainConfig:
     stop_after_steps: int | None = None  # testing aid: exit after this many steps as if killed
 
     def __post_init__(self):
-        a = {True: "mlp", False: "none", "true": "mlp", "false": "none"}.get(self.activation_checkpointing,
-                                                                           self.activation_checkpointing)
-        if a not in ("none", "mlp", "step"):
-            raise ValueError(f"activation_checkpointing must be none, mlp or step; got {self.activation_checkpointing!r}")
-        self.activation_checkpointing = a
+        from eagle3.train.drafter import checkpointing_mode
+        self.activation_checkpointing = checkpointing_mode(self.activation_checkpointing)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

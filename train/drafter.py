@@ -150,6 +150,18 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
+CHECKPOINTING = ("none", "mlp", "step")
+
+
+def checkpointing_mode(value) -> str:
+    """'none', 'mlp' (recompute gate/up in backward) or 'step' (recompute whole TTT steps: least memory); the
+    booleans of the older switch (True = 'mlp') are accepted."""
+    a = {True: "mlp", False: "none", None: "none", "true": "mlp", "false": "none"}.get(value, value)
+    if a not in CHECKPOINTING:
+        raise ValueError(f"activation_checkpointing must be none, mlp or step; got {value!r}")
+    return a
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -435,9 +447,7 @@ class Eagle3Drafter(nn.Module):
 
     @property
     def checkpointing(self) -> str:
-        """'none', 'mlp' (recompute gate/up in backward) or 'step' (recompute whole TTT steps: least memory)."""
-        a = self.activation_checkpointing
-        return {False: "none", True: "mlp", None: "none"}.get(a, a)
+        return checkpointing_mode(self.activation_checkpointing)
 
     def _ttt_fast(self, hidden_state, input_ids, position_ids, steps: int) -> list[torch.Tensor]:
         from eagle3.train.kernels import causal_plus_diagonal, rms_norm, silu_mul

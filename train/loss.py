@@ -40,7 +40,7 @@ def teacher(target_hidden: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torc
     if t2d.shape != (V,):
         raise ValueError(f"t2d has shape {tuple(t2d.shape)}, lm_head has {V} rows")
     draft_ids = t2d.nonzero().squeeze(-1)                   # [Dv] target ids, ascending
-    t2d_index = torch.cumsum(t2d.to(torch.int64), 0) - 1    # target id -> draft id (valid where t2d)
+    t2d_index = draft_index(t2d)                            # target id -> draft id, -1 where not a draft token
     N = target_hidden.shape[0]
     acc = torch.promote_types(lm_head_weight.dtype, torch.float32)
     p = torch.empty(N, draft_ids.numel(), dtype=acc, device=lm_head_weight.device)
@@ -51,8 +51,9 @@ def teacher(target_hidden: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torc
         hs = target_hidden[s:s + chunk].to(device=lm_head_weight.device, dtype=lm_head_weight.dtype)
         logits = (hs @ lm_head_weight.T).to(acc)            # [c, V]
         am = logits.argmax(-1)
-        in_vocab[s:s + chunk] = t2d[am]
-        argmax_draft[s:s + chunk] = torch.where(t2d[am], t2d_index[am], torch.zeros_like(am))
+        d = t2d_index[am]
+        in_vocab[s:s + chunk] = d >= 0
+        argmax_draft[s:s + chunk] = d.clamp(min=0)
         p[s:s + chunk] = torch.softmax(logits.index_select(1, draft_ids), dim=-1)
         del logits
     return p, in_vocab, argmax_draft
@@ -83,6 +84,19 @@ def draft_index(t2d: torch.Tensor) -> torch.Tensor:
     """[V] long: the draft id of each target id, -1 where t2d is False."""
     t2d = t2d.bool()
     return torch.where(t2d, torch.cumsum(t2d.long(), 0) - 1, -1)
+
+
+def teacher_positions(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None, device) -> torch.Tensor:
+    """[B, T] bool: positions u whose teacher some (t, j) pair needs. Predicted token p = u + 1 counts iff p >= 2
+    (t >= 0, j >= 0), loss_mask[p] = 1 and every position <= p is real (the vocab condition comes later)."""
+    B, T = loss_mask.shape
+    real = torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask is None \
+        else attention_mask.to(device).bool()
+    target_ok = loss_mask.to(device=device).bool() & torch.cumprod(real.to(torch.int64), dim=1).bool()
+    target_ok[:, :2] = False
+    need = torch.zeros(B, T, dtype=torch.bool, device=device)
+    need[:, :-1] = target_ok[:, 1:]
+    return need
 
 
 def _ce_and_correct(drafter, m: torch.Tensor, p: torch.Tensor, tgt: torch.Tensor):
@@ -132,16 +146,8 @@ def eagle3_loss(drafter, step_outputs: Sequence[torch.Tensor], target_hidden: to
         raise ValueError("eagle3_loss needs at least one step output")
     B, T = input_ids.shape
     dev = step_outputs[0].device
-    lm = loss_mask.to(device=dev).bool()
-    real = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.to(dev).bool()
-    prefix_real = torch.cumprod(real.to(torch.int64), dim=1).bool()   # every position <= p is real
-
-    # Predicted token p is usable (before the vocab condition) iff p >= 2 (t >= 0, j >= 0), in loss mask, real.
-    target_ok = lm & prefix_real
-    target_ok[:, :2] = False
     # Teacher positions u = p - 1, computed once each.
-    need = torch.zeros(B, T, dtype=torch.bool, device=dev)
-    need[:, :-1] = target_ok[:, 1:]
+    need = teacher_positions(loss_mask, attention_mask, dev)
     flat = need.reshape(-1).nonzero().squeeze(-1)
     row_of = torch.full((B * T,), -1, dtype=torch.int64, device=dev)
     row_of[flat] = torch.arange(flat.numel(), device=dev)
@@ -218,11 +224,7 @@ def eagle3_loss_fused(drafter, step_outputs: Sequence[torch.Tensor], target_hidd
     K = len(step_outputs)
     B, T = input_ids.shape
     dev = step_outputs[0].device
-    real = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.to(dev).bool()
-    target_ok = loss_mask.to(device=dev).bool() & torch.cumprod(real.to(torch.int64), dim=1).bool()
-    target_ok[:, :2] = False
-    need = torch.zeros(B, T, dtype=torch.bool, device=dev)              # teacher position u = predicted p - 1
-    need[:, :-1] = target_ok[:, 1:]
+    need = teacher_positions(loss_mask, attention_mask, dev)            # teacher position u = predicted p - 1
     th = target_hidden.reshape(B * T, -1)
     if target_argmax is not None:
         if draft_head_weight is None:
