@@ -10,6 +10,8 @@ loss mask all ones, one sequence of T tokens per micro-batch.
 Variants (each: forward + backward of the whole step, timed with CUDA events, median of --iters after 2 warm-ups):
   fast        Eagle3Drafter.ttt_forward(fast=True) + eagle3_loss_fused with the dump-time argmax (draft-row teacher)
   fast_full   the same, but the teacher multiplies the full target head (no dump-time argmax)
+  fast_fa2    `fast` with the causal block on PyTorch's FlashAttention-2 kernel instead of the 'auto' choice (cuDNN on
+              Hopper): the attention-kernel lever measured alone
   eager       the plain reference path used in the tests (ttt_forward + eagle3_loss)
   engine      `fast` inside the DeepSpeed engine (ZeRO-2, bf16, fused AdamW): engine(...), backward, step
   specforge   the peer script in a subprocess of this run (its flex_attention backend), same sizes
@@ -105,7 +107,8 @@ def timed(fn, iters, marks=1):
 
 
 def make_step(variant, K, drafter, head, draft_head, b):
-    """One forward + backward of `variant` ('fast', 'fast_full' or 'eager') on batch b; grads dropped after."""
+    """One forward + backward of `variant` ('fast', 'fast_fa2', 'fast_full' or 'eager') on batch b; grads dropped
+    after. The attention kernel of the fast variants is whatever kernels.set_cuda_attention_kernel last pinned."""
     from eagle3.train.loss import eagle3_loss, eagle3_loss_fused
 
     def step(ev=None):
@@ -116,7 +119,7 @@ def make_step(variant, K, drafter, head, draft_head, b):
         else:
             loss, _ = eagle3_loss_fused(drafter, outs, b["target_hidden"], b["input_ids"], b["loss_mask"],
                                         b["attention_mask"], chunk_tokens=4096, lm_head_weight=head,
-                                        target_argmax=b["target_argmax"] if variant == "fast" else None,
+                                        target_argmax=None if variant == "fast_full" else b["target_argmax"],
                                         draft_head_weight=draft_head)
         loss.backward()
         for p in drafter.parameters():
@@ -165,10 +168,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--tokens", default="2048,4096,8192,16384,32768,65536")
-    ap.add_argument("--variants", default="fast,fast_full,eager,engine,specforge")
+    ap.add_argument("--variants", default="fast,fast_fa2,fast_full,eager,engine,specforge")
     ap.add_argument("--engine-tokens", default="4096,8192")
-    ap.add_argument("--eager-tokens", default="2048,4096,8192")
+    ap.add_argument("--eager-tokens", default="2048,4096,8192,16384,32768,65536")
     ap.add_argument("--full-tokens", default="4096,8192")
+    ap.add_argument("--fa2-tokens", default="8192,32768")
     ap.add_argument("--peer", default=None, help="path of peer_specforge_step.py (for the specforge variant)")
     ap.add_argument("--peer-tokens", default="4096,8192,32768")
     ap.add_argument("--ttt", type=int, default=7)
@@ -212,18 +216,24 @@ def main():
         if p.returncode:
             print(p.stderr[-3000:], file=sys.stderr)
     sizes = [int(x) for x in a.tokens.split(",")]
-    plain = [v for v in ("fast", "fast_full", "eager") if v in variants]
+    plain = [v for v in ("fast", "fast_fa2", "fast_full", "eager") if v in variants]
     if plain:
+        from eagle3.train import kernels
         drafter, head = build()
         draft_head = head[drafter.t2d].clone()
         for v in plain:
             allowed = {"fast": sizes, "eager": [int(x) for x in a.eager_tokens.split(",")],
-                       "fast_full": [int(x) for x in a.full_tokens.split(",")]}[v]
+                       "fast_full": [int(x) for x in a.full_tokens.split(",")],
+                       "fast_fa2": [int(x) for x in a.fa2_tokens.split(",")]}[v]
+            kernels.set_cuda_attention_kernel("flash" if v == "fast_fa2" else "auto")
+            attn = "sdpa" if v == "eager" else kernels.cuda_attention_kernel(
+                torch.empty(1, NH, 1, HD, device="cuda", dtype=torch.bfloat16))
             for T in allowed:
-                for ckpt in (["none", "mlp", "step"] if v == "fast" else ["none"]):
+                for ckpt in (["none", "mlp", "step"] if v.startswith("fast") else ["none"]):
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
-                    row = {"impl": "eagle3", "variant": v, "tokens": T, "ttt": K, "checkpointing": ckpt}
+                    row = {"impl": "eagle3", "variant": v, "tokens": T, "ttt": K, "checkpointing": ckpt,
+                           "attention_kernel": attn}
                     try:
                         row.update(run_plain(v, T, K, a.iters, ckpt, drafter, head, draft_head))
                         row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 1)
@@ -234,6 +244,7 @@ def main():
                         emit(row)
                     for p in drafter.parameters():
                         p.grad = None
+        kernels.set_cuda_attention_kernel("auto")
         del drafter, head, draft_head
     if "engine" in variants:
         for T in [int(x) for x in a.engine_tokens.split(",")]:

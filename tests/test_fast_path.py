@@ -161,10 +161,63 @@ def test_fast_path_bf16_error_no_worse_than_plain():
     assert errs[True] < 2e-2 and errs[True] < 1.5 * errs[False] + 1e-3, errs
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device by bench/train_step.sh)")
-def test_cuda_fast_path_matches_float64_reference():
-    """CUDA flash kernels inside the fast path: bf16 outputs and gradients vs the float64 plain path on the CPU,
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device by "
+                                                                      "bench/train_step.sh)")
+
+
+@pytest.fixture
+def cuda_kernel(request):
+    kernels.set_cuda_attention_kernel(request.param)
+    yield request.param
+    kernels.set_cuda_attention_kernel("auto")
+
+
+@needs_gpu
+@pytest.mark.parametrize("cuda_kernel", ["flash", "cudnn"], indirect=True)
+@pytest.mark.parametrize("nkv,j,T", [(64, 0, 300), (16, 3, 300), (64, 2, 37), (64, 6, 1024)])
+def test_cuda_causal_plus_diagonal_matches_float64_dense(cuda_kernel, nkv, j, T):
+    """Each CUDA kernel at the Kimi head shape (head_dim 128): bf16 output and gradients against the float64 dense
+    mask on the CPU, within bf16 rounding. A wrong log-sum-exp convention or layout in the merge fails here, and so
+    does cuDNN's T padding (300 and 37 are padded to 384 and 128; 1024 is not)."""
+    if cuda_kernel == "cudnn" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN attention is picked only on sm90+")
+    gen = torch.Generator().manual_seed(j)
+    B, nh, d = 1, 64, 128
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k0, v0 = r(B, nh, T, d), r(B, nkv, T, d), r(B, nkv, T, d)
+    dk, dv = [r(B, nkv, T, d) for _ in range(j)], [r(B, nkv, T, d) for _ in range(j)]
+    inputs, scale = [q, k0, v0, *dk, *dv], d ** -0.5
+
+    def split(f):
+        return lambda q, k0, v0, *rest: f(q, k0, v0, rest[:j], rest[j:], scale)
+    ref, g_ref = grads_of(split(dense_attention), inputs)
+    xs = [x.to("cuda", torch.bfloat16).requires_grad_(True) for x in inputs]
+    out = split(kernels.causal_plus_diagonal)(*xs)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    (out.double() * g.cuda()).sum().backward()
+    rel = lambda a, b: float((a.double().cpu() - b).norm() / b.norm())  # noqa: E731
+    assert rel(out, ref) < 1e-2, rel(out, ref)
+    for x, gr in zip(xs, g_ref):
+        assert rel(x.grad, gr) < 2e-2, rel(x.grad, gr)
+
+
+def test_cuda_attention_kernel_names_are_checked():
+    with pytest.raises(ValueError, match="expected one of"):
+        kernels.set_cuda_attention_kernel("fa3")
+    kernels.set_cuda_attention_kernel("flash")
+    try:
+        assert kernels.cuda_attention_kernel(torch.empty(1, 1, 1, 128)) == "flash"
+    finally:
+        kernels.set_cuda_attention_kernel("auto")
+
+
+@needs_gpu
+@pytest.mark.parametrize("cuda_kernel", ["flash", "cudnn"], indirect=True)
+def test_cuda_fast_path_matches_float64_reference(cuda_kernel):
+    """CUDA attention kernels inside the fast path: bf16 outputs and gradients vs the float64 plain path on the CPU,
     no further off than the plain bf16 path on the same GPU."""
+    if cuda_kernel == "cudnn" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN attention is picked only on sm90+")
     d = make_drafter(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                      intermediate_size=512, target_hidden_size=256)
     aux, ids, am = batch(d, B=2, T=300, lengths=(300, 211))
@@ -202,6 +255,13 @@ def test_train_step_uses_the_fast_path_below_zero3_and_refuses_step_checkpointin
         DrafterTrainStep(d, head, TrainConfig(zero_stage=3, activation_checkpointing="step"))
     with pytest.raises(ValueError, match="none, mlp or step"):
         TrainConfig(activation_checkpointing="sometimes")
+    with pytest.raises(ValueError, match="attention_kernel 'fa3'"):
+        TrainConfig(attention_kernel="fa3")
+    try:  # the config's kernel choice reaches kernels.py
+        DrafterTrainStep(d, head, TrainConfig(zero_stage=2, attention_kernel="flash"))
+        assert kernels.cuda_attention_kernel(torch.empty(1, 1, 1, 64)) == "flash"
+    finally:
+        kernels.set_cuda_attention_kernel("auto")
 
 
 def test_flash_support_rules_send_unsupported_gpu_cases_to_the_plain_path():

@@ -42,6 +42,7 @@ class TrainConfig:
     num_workers: int = 2
     activation_checkpointing: str = "none"  # none | mlp (recompute gate/up) | step (recompute whole TTT steps)
     fast_path: bool = True         # train/kernels.py forward + fused loss (ZeRO 0-2; ZeRO-3 uses the plain path)
+    attention_kernel: str = "auto"  # fast path's CUDA causal block: auto (cuDNN on sm90+, head_dim<=128) | cudnn | flash
     resume: bool = False
     wandb_project: str = "eagle3"
     wandb_mode: str | None = None  # None: offline unless logged in; 'disabled' turns it off
@@ -51,7 +52,10 @@ class TrainConfig:
 
     def __post_init__(self):
         from eagle3.train.drafter import checkpointing_mode
+        from eagle3.train.kernels import CUDA_ATTENTION_KERNELS
         self.activation_checkpointing = checkpointing_mode(self.activation_checkpointing)
+        if self.attention_kernel not in CUDA_ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel {self.attention_kernel!r}: expected one of {CUDA_ATTENTION_KERNELS}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

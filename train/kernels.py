@@ -4,8 +4,9 @@ on the CPU; bench/train_step.py on the GPU), but saves fewer activations and syn
 
 * `rms_norm`: saves the input and one fp32 rstd per row (the plain module keeps two fp32 copies of the input).
 * `silu_mul`: silu(gate) * up from the fused [.., 2I] gate_up output, saving only that output.
-* `causal_plus_diagonal`: TTT attention (contract §5) as one flash-attention call over the step-0 keys plus the
-  diagonal keys merged by log-sum-exp. Backward re-uses the flash kernel's own backward: called with the MERGED output
+* `causal_plus_diagonal`: TTT attention (contract §5) as one fused causal-attention call (cuDNN or FlashAttention-2
+  on CUDA, torch's flash kernel on the CPU) over the step-0 keys plus the diagonal keys merged by log-sum-exp.
+  Backward re-uses the fused kernel's own backward: called with the MERGED output
   and MERGED log-sum-exp, it yields exactly the step-0 keys' share of the gradient (the kernel uses `out` only for
   D = rowsum(dO * out) and `lse` only to rebuild P, and both are the full softmax's), so no [T, (1+j)T] mask and no
   log-sum-exp gradient are needed.
@@ -111,22 +112,91 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------ attention
 
-def _flash_forward(q, k, v, scale):
+# Which CUDA kernel computes the causal block. 'cudnn' is cuDNN's fused attention (the kernel plain SDPA itself
+# picks on Hopper); 'flash' is PyTorch's FlashAttention-2 build. Both return the log-sum-exp the merge needs and take
+# the merged out/lse in backward (both backward passes use `out` only for rowsum(dO * out) and `lse` only to rebuild
+# P). 'auto' takes cuDNN on sm90+ for head_dim <= 128 (where its backward is supported), else flash.
+CUDA_ATTENTION_KERNELS = ("auto", "cudnn", "flash")
+_cuda_attention = "auto"
+
+
+def set_cuda_attention_kernel(name: str) -> None:
+    """Pin the CUDA kernel of `causal_plus_diagonal` (benchmarks and tests compare them); 'auto' restores the rule."""
+    global _cuda_attention
+    if name not in CUDA_ATTENTION_KERNELS:
+        raise ValueError(f"CUDA attention kernel {name!r}: expected one of {CUDA_ATTENTION_KERNELS}")
+    _cuda_attention = name
+
+
+def cuda_attention_kernel(q: torch.Tensor) -> str:
+    """The kernel `causal_plus_diagonal` uses for this CUDA query tensor [B, h, T, d]."""
+    if _cuda_attention != "auto":
+        return _cuda_attention
+    cudnn_ok = (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()
+                and torch.cuda.get_device_capability(q.device) >= (9, 0) and q.shape[-1] <= 128)
+    return "cudnn" if cudnn_ok else "flash"
+
+
+# cuDNN builds a graph per shape on first sight (measured ~0.1 s on an H200, bench/attention.py) and caches it; batches
+# of every length would pay that on most steps. So its T is rounded up to a multiple of this: a run then meets at most
+# max_len / 128 shapes. Zero rows appended to a CAUSAL block change nothing for the real rows (every padded key sits
+# after every real query); the padded query rows are dropped, and in backward get dO = 0 and their own finite lse
+# from the forward, so they add nothing to dK / dV.
+CUDNN_T_MULTIPLE = 128
+
+
+def _pad_t(x, t_pad):
+    return x if x.shape[2] == t_pad else F.pad(x, (0, 0, 0, t_pad - x.shape[2]))
+
+
+def _cudnn_forward(q, k, v, scale):
+    T = q.shape[2]
+    tp = -(-T // CUDNN_T_MULTIPLE) * CUDNN_T_MULTIPLE
+    # (query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask); lse [B, h, T, 1]
+    r = torch.ops.aten._scaled_dot_product_cudnn_attention(_pad_t(q, tp), _pad_t(k, tp), _pad_t(v, tp), None, True,
+                                                           0.0, True, False, scale=scale)
+    out, lse = r[0], r[1].squeeze(-1)
+    tail = (out[:, :, T:], lse[:, :, T:]) if tp > T else None
+    return out[:, :, :T], lse[:, :, :T], ("cudnn", r[6], r[7], tail)
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, state, scale):
+    _, seed, offset, tail = state
+    T = q.shape[2]
+    if tail is not None:
+        tp = T + tail[0].shape[2]
+        q, k, v = _pad_t(q, tp), _pad_t(k, tp), _pad_t(v, tp)
+        out = torch.cat([out, tail[0]], 2)
+        dout = torch.cat([dout, dout.new_zeros(tail[0].shape)], 2)
+        lse = torch.cat([lse, tail[1]], 2)
+    # (..., out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+    # is_causal); None is an undefined tensor: no bias, dense (not nested) batches
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse.unsqueeze(-1).contiguous(), seed, offset, None, None, None, q.shape[2], k.shape[2],
+        0.0, True, scale=scale)
+    return (dq, dk, dv) if tail is None else (dq[:, :, :T], dk[:, :, :T], dv[:, :, :T])
+
+
+def _causal_forward(q, k, v, scale):
     """Causal attention with its log-sum-exp: (out [B, h, T, d], lse [B, h, T] fp32, state for backward)."""
-    if q.is_cuda:
-        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
-        return r[0], r[1], (r[2], r[3], r[4], r[5], r[6], r[7])
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-    return out, lse, None
+    if not q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        return out, lse, None
+    if cuda_attention_kernel(q) == "cudnn":
+        return _cudnn_forward(q, k, v, scale)
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+    return r[0], r[1], ("flash", r[2], r[3], r[4], r[5], r[6], r[7])
 
 
-def _flash_backward(dout, q, k, v, out, lse, state, scale):
-    if q.is_cuda:
-        cq, ck, mq, mk, seed, offset = state
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, True, seed, offset, scale=scale)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, True, scale=scale)
+def _causal_backward(dout, q, k, v, out, lse, state, scale):
+    if not q.is_cuda:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, True, scale=scale)
+    if state[0] == "cudnn":
+        return _cudnn_backward(dout, q, k, v, out, lse, state, scale)
+    _, cq, ck, mq, mk, seed, offset = state
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, True, seed, offset, scale=scale)
 
 
 def flash_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -177,7 +247,7 @@ class _CausalPlusDiagonal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scale, n_rep, q, k0, v0, *diag):
         j = len(diag) // 2
-        o_c, lse_c, state = _flash_forward(q, _expand_kv(k0, n_rep), _expand_kv(v0, n_rep), scale)
+        o_c, lse_c, state = _causal_forward(q, _expand_kv(k0, n_rep), _expand_kv(v0, n_rep), scale)
         if j == 0:
             out, lse = o_c, lse_c
             kd = vd = None
@@ -200,8 +270,8 @@ class _CausalPlusDiagonal(torch.autograd.Function):
             d2 = torch.empty_strided(out.shape, out.stride(), dtype=dout.dtype, device=dout.device)
             d2.copy_(dout)
             dout = d2
-        dq, dk0, dv0 = _flash_backward(dout, q, _expand_kv(k0, n_rep), _expand_kv(v0, n_rep), out, lse, ctx.state,
-                                       scale)
+        dq, dk0, dv0 = _causal_backward(dout, q, _expand_kv(k0, n_rep), _expand_kv(v0, n_rep), out, lse, ctx.state,
+                                        scale)
         gk = gv = ()
         if j:
             kd, vd = kv

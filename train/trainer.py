@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from eagle3 import contract as C
 from eagle3 import dist as D
+from eagle3.train import kernels
 from eagle3.train.config import TrainConfig
 
 RUN_FILE = "run.json"
@@ -43,6 +44,7 @@ class DrafterTrainStep(nn.Module):
         self.drafter = drafter
         self.steps, self.decay, self.chunk = cfg.ttt_steps, cfg.step_decay, cfg.teacher_chunk_tokens
         self.fast = bool(cfg.fast_path) and cfg.zero_stage < 3
+        kernels.set_cuda_attention_kernel(cfg.attention_kernel)
         if not self.fast and cfg.activation_checkpointing == "step":
             raise ValueError("--activation-checkpointing step needs the fast path (--fast-path, ZeRO 0-2); "
                              "the plain path recomputes the MLP only ('mlp')")
