@@ -156,7 +156,9 @@ def _cudnn_forward(q, k, v, scale):
     r = torch.ops.aten._scaled_dot_product_cudnn_attention(_pad_t(q, tp), _pad_t(k, tp), _pad_t(v, tp), None, True,
                                                            0.0, True, False, scale=scale)
     out, lse = r[0], r[1].squeeze(-1)
-    tail = (out[:, :, T:], lse[:, :, T:]) if tp > T else None
+    # cloned: a view would keep the whole padded output alive until backward (and, under 'step' checkpointing, whose
+    # recompute does not refresh ctx attributes, for as long as the graph lives)
+    tail = (out[:, :, T:].clone(), lse[:, :, T:].clone()) if tp > T else None
     return out[:, :, :T], lse[:, :, :T], ("cudnn", r[6], r[7], tail)
 
 
