@@ -204,25 +204,45 @@ def test_cuda_causal_plus_diagonal_matches_float64_dense(cuda_kernel, nkv, j, T)
 def test_cuda_attention_kernel_names_are_checked():
     with pytest.raises(ValueError, match="expected one of"):
         kernels.set_cuda_attention_kernel("fa3")
-    kernels.set_cuda_attention_kernel("flash")
     try:
+        kernels.set_cuda_attention_kernel("flash")
         assert kernels.cuda_attention_kernel(torch.empty(1, 1, 1, 128)) == "flash"
+        kernels.set_cuda_attention_kernel("cudnn")
+        assert kernels.cuda_attention_kernel(torch.empty(1, 1, 1, 128)) == "cudnn"
+        with pytest.raises(ValueError, match="head_dim 256 > 128"):  # cuDNN has no backward there
+            kernels.cuda_attention_kernel(torch.empty(1, 1, 1, 256))
     finally:
         kernels.set_cuda_attention_kernel("auto")
 
 
 @needs_gpu
+def test_cuda_auto_kernel_rule():
+    q = torch.empty(1, 1, 1, 128, device="cuda")
+    hopper = torch.cuda.get_device_capability()[0] in (9, 10) and torch.backends.cudnn.is_available()
+    assert kernels.cuda_attention_kernel(q) == ("cudnn" if hopper else "flash")
+    assert kernels.cuda_attention_kernel(torch.empty(1, 1, 1, 256, device="cuda")) == "flash"
+    torch.use_deterministic_algorithms(True)
+    try:  # cuDNN's attention backward is not deterministic
+        assert kernels.cuda_attention_kernel(q) == "flash"
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@needs_gpu
 @pytest.mark.parametrize("cuda_kernel", ["flash", "cudnn"], indirect=True)
-def test_cuda_fast_path_matches_float64_reference(cuda_kernel):
+@pytest.mark.parametrize("T,kv_heads", [(300, 2), (256, 4)])
+def test_cuda_fast_path_matches_float64_reference(cuda_kernel, T, kv_heads):
     """CUDA attention kernels inside the fast path: bf16 outputs and gradients vs the float64 plain path on the CPU,
-    no further off than the plain bf16 path on the same GPU."""
+    no further off than the plain bf16 path on the same GPU. T = 300 takes cuDNN's padded path with GQA (kv heads
+    repeated, so contiguous); T = 256 its unpadded path with kv_heads = heads, i.e. the strided views of the fused
+    q/k/v projection reach the kernel as they are."""
     if cuda_kernel == "cudnn" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("cuDNN attention is picked only on sm90+")
-    d = make_drafter(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    d = make_drafter(hidden_size=256, num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=64,
                      intermediate_size=512, target_hidden_size=256)
-    aux, ids, am = batch(d, B=2, T=300, lengths=(300, 211))
+    aux, ids, am = batch(d, B=2, T=T, lengths=(T, T * 2 // 3))
     real = am.bool()
-    w = [torch.randn(2, 300, 256, generator=torch.Generator().manual_seed(j), dtype=torch.float64) for j in range(4)]
+    w = [torch.randn(2, T, 256, generator=torch.Generator().manual_seed(j), dtype=torch.float64) for j in range(4)]
 
     def run(model, fast, device, dtype):
         model = copy.deepcopy(model).to(device=device, dtype=dtype)

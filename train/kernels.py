@@ -115,7 +115,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # Which CUDA kernel computes the causal block. 'cudnn' is cuDNN's fused attention (the kernel plain SDPA itself
 # picks on Hopper); 'flash' is PyTorch's FlashAttention-2 build. Both return the log-sum-exp the merge needs and take
 # the merged out/lse in backward (both backward passes use `out` only for rowsum(dO * out) and `lse` only to rebuild
-# P). 'auto' takes cuDNN on sm90+ for head_dim <= 128 (where its backward is supported), else flash.
+# P). 'auto' takes cuDNN on sm90/sm100 for head_dim <= 128 (where its backward is supported), else flash.
 CUDA_ATTENTION_KERNELS = ("auto", "cudnn", "flash")
 _cuda_attention = "auto"
 
@@ -130,16 +130,26 @@ def set_cuda_attention_kernel(name: str) -> None:
 
 def cuda_attention_kernel(q: torch.Tensor) -> str:
     """The kernel `causal_plus_diagonal` uses for this CUDA query tensor [B, h, T, d]."""
+    if _cuda_attention == "cudnn" and q.shape[-1] > 128:
+        raise ValueError(f"attention kernel 'cudnn' was pinned but head_dim {q.shape[-1]} > 128, where cuDNN has no "
+                         "attention backward; use 'auto' or 'flash'")
     if _cuda_attention != "auto":
         return _cuda_attention
+    # Hopper and datacenter Blackwell only (sm_90 / sm_100): the parts cuDNN's fused attention is tuned for and
+    # PyTorch's SDPA itself prefers it on. Its backward is not deterministic, so a run that asked for
+    # deterministic algorithms gets FA2.
     cudnn_ok = (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()
-                and torch.cuda.get_device_capability(q.device) >= (9, 0) and q.shape[-1] <= 128)
+                and torch.cuda.get_device_capability(q.device)[0] in (9, 10) and q.shape[-1] <= 128
+                and not torch.are_deterministic_algorithms_enabled())
     return "cudnn" if cudnn_ok else "flash"
 
 
 # cuDNN builds a graph per shape on first sight (measured ~0.1 s on an H200, bench/attention.py) and caches it; batches
-# of every length would pay that on most steps. So its T is rounded up to a multiple of this: a run then meets at most
-# max_len / 128 shapes. Zero rows appended to a CAUSAL block change nothing for the real rows (every padded key sits
+# of every length would pay that on most steps. So its T is rounded up to a multiple of this, which bounds the
+# distinct lengths at max_len / 128. (cuDNN's cache key also holds the batch size and strides, and the cache is per
+# thread, so 'step' checkpointing's recompute on the autograd thread builds its own: a run may still pay a few hundred
+# one-time builds, not one per step.) Keep it at 128: that is what the CUDA tests and the H200 benches ran, and
+# cuDNN's fused attention has had length-dependent restrictions across releases. Zero rows appended to a CAUSAL block change nothing for the real rows (every padded key sits
 # after every real query); the padded query rows are dropped, and in backward get dO = 0 and their own finite lse
 # from the forward, so they add nothing to dK / dV.
 CUDNN_T_MULTIPLE = 128
