@@ -149,9 +149,9 @@ def cuda_attention_kernel(q: torch.Tensor) -> str:
 # distinct lengths at max_len / 128. (cuDNN's cache key also holds the batch size and strides, and the cache is per
 # thread, so 'step' checkpointing's recompute on the autograd thread builds its own: a run may still pay a few hundred
 # one-time builds, not one per step.) Keep it at 128: that is what the CUDA tests and the H200 benches ran, and
-# cuDNN's fused attention has had length-dependent restrictions across releases. Zero rows appended to a CAUSAL block change nothing for the real rows (every padded key sits
-# after every real query); the padded query rows are dropped, and in backward get dO = 0 and their own finite lse
-# from the forward, so they add nothing to dK / dV.
+# cuDNN's fused attention has had length-dependent restrictions across releases. Zero rows appended to a CAUSAL
+# block change nothing for the real rows (every padded key sits after every real query); the padded query rows are
+# dropped, and in backward get dO = 0 and their own finite lse from the forward, so they add nothing to dK / dV.
 CUDNN_T_MULTIPLE = 128
 
 
