@@ -42,7 +42,7 @@ class TrainConfig:
     num_workers: int = 2
     activation_checkpointing: str = "none"  # none | mlp (recompute gate/up) | step (recompute whole TTT steps)
     fast_path: bool = True         # train/kernels.py forward + fused loss (ZeRO 0-2; ZeRO-3 uses the plain path)
-    attention_kernel: str = "auto"  # fast path's CUDA causal block: auto (cuDNN on sm90/sm100, head_dim<=128) | cudnn | flash
+    attention_kernel: str = "auto"  # fast path CUDA attention: auto | cudnn | flash (kernels.py)
     resume: bool = False
     wandb_project: str = "eagle3"
     wandb_mode: str | None = None  # None: offline unless logged in; 'disabled' turns it off
