@@ -117,6 +117,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # the merged out/lse in backward (both backward passes use `out` only for rowsum(dO * out) and `lse` only to rebuild
 # P). 'auto' takes cuDNN on sm90/sm100 for head_dim <= 128 (where its backward is supported), else flash.
 CUDA_ATTENTION_KERNELS = ("auto", "cudnn", "flash")
+CUDNN_MAX_HEAD_DIM = 128
 _cuda_attention = "auto"
 
 
@@ -130,16 +131,16 @@ def set_cuda_attention_kernel(name: str) -> None:
 
 def cuda_attention_kernel(q: torch.Tensor) -> str:
     """The kernel `causal_plus_diagonal` uses for this CUDA query tensor [B, h, T, d]."""
-    if _cuda_attention == "cudnn" and q.shape[-1] > 128:
-        raise ValueError(f"attention kernel 'cudnn' was pinned but head_dim {q.shape[-1]} > 128, where cuDNN has no "
-                         "attention backward; use 'auto' or 'flash'")
+    if _cuda_attention == "cudnn" and q.shape[-1] > CUDNN_MAX_HEAD_DIM:
+        raise ValueError(f"attention kernel 'cudnn' was pinned but head_dim {q.shape[-1]} > {CUDNN_MAX_HEAD_DIM}, "
+                         "where cuDNN has no attention backward; use 'auto' or 'flash'")
     if _cuda_attention != "auto":
         return _cuda_attention
     # Hopper and datacenter Blackwell only (sm_90 / sm_100): the parts cuDNN's fused attention is tuned for and
     # PyTorch's SDPA itself prefers it on. Its backward is not deterministic, so a run that asked for
     # deterministic algorithms gets FA2.
     cudnn_ok = (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()
-                and torch.cuda.get_device_capability(q.device)[0] in (9, 10) and q.shape[-1] <= 128
+                and torch.cuda.get_device_capability(q.device)[0] in (9, 10) and q.shape[-1] <= CUDNN_MAX_HEAD_DIM
                 and not torch.are_deterministic_algorithms_enabled())
     return "cudnn" if cudnn_ok else "flash"
 
