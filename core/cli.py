@@ -138,11 +138,21 @@ def cmd_export_sglang(a: argparse.Namespace) -> None:
     print(prov["server_command"])
 
 
+def _step_arg(text: str) -> int | str:
+    if text == "best":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--step {text!r}: a step number or 'best'") from None
+
+
 def _add_export_sglang(sub) -> None:
     from eagle3.contract import SGLANG_LATEST
     p = sub.add_parser("export-sglang", help="export a trained drafter for SGLang (LlamaForCausalLMEagle3) or vLLM")
     p.add_argument("--run", required=True, help="training run directory (eagle3 train --out)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument("--step", type=_step_arg, default=None,
+                   help="checkpoint step, or 'best' (best held-out decoding acceptance; default: the latest)")
     p.add_argument("--out", required=True, help="output directory (config.json, model.safetensors, provenance)")
     p.add_argument("--sglang-version", default=SGLANG_LATEST,
                    help=f"SGLang release the ids are computed for (default {SGLANG_LATEST})")

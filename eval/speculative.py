@@ -19,43 +19,15 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
 from eagle3.dump.capture import HiddenStateCapture
+from eagle3.train.acceptance import ChainStats
 
 
-@dataclass
-class SpecStats:
-    draft_steps: int
-    verify_steps: int = 0
-    round_tokens: int = 0      # accepted drafts + the target's bonus token, summed over verify steps
-    target_forwards: int = 0
-    new_tokens: int = 0
-    reached: list[int] = field(default_factory=list)   # per draft position i: rounds that got as far as i
-    accepted: list[int] = field(default_factory=list)  # per draft position i: rounds that accepted draft i
-
-    def __post_init__(self):
-        self.reached = self.reached or [0] * self.draft_steps
-        self.accepted = self.accepted or [0] * self.draft_steps
-
-    def add_round(self, n_accepted: int) -> None:
-        self.verify_steps += 1
-        self.round_tokens += n_accepted + 1
-        for i in range(min(n_accepted + 1, self.draft_steps)):
-            self.reached[i] += 1
-        for i in range(n_accepted):
-            self.accepted[i] += 1
-
-    def merge(self, o: "SpecStats") -> None:
-        self.verify_steps += o.verify_steps
-        self.round_tokens += o.round_tokens
-        self.target_forwards += o.target_forwards
-        self.new_tokens += o.new_tokens
-        self.reached = [a + b for a, b in zip(self.reached, o.reached)]
-        self.accepted = [a + b for a, b in zip(self.accepted, o.accepted)]
+SpecStats = ChainStats  # the round bookkeeping is shared with training's held-out walk (train/acceptance.py)
 
 
 def load_drafter_from_export(export_dir: str, target_embedding: torch.Tensor, dtype: torch.dtype,

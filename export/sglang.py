@@ -58,8 +58,12 @@ def _read_json(path: str) -> dict:
         raise C.ContractError(f"{path}: not valid JSON ({e})") from e
 
 
-def find_checkpoint(run_dir: str, step: int | None = None) -> tuple[str, int]:
-    """(checkpoint directory, step): the given step, else the newest one holding the consolidated drafter."""
+BEST = "best"
+
+
+def find_checkpoint(run_dir: str, step: int | str | None = None) -> tuple[str, int]:
+    """(checkpoint directory, step): the given step, 'best' (checkpoints/best), else the newest one holding the
+    consolidated drafter."""
     from eagle3.train.trainer import CKPT_FILE, WEIGHTS_FILE as DRAFTER_WEIGHTS
     root = os.path.join(run_dir, CHECKPOINTS_DIR)
     if not os.path.isdir(root):
@@ -70,6 +74,12 @@ def find_checkpoint(run_dir: str, step: int | None = None) -> tuple[str, int]:
         return os.path.isfile(os.path.join(d, CKPT_FILE)) and os.path.isfile(os.path.join(d, DRAFTER_WEIGHTS))
 
     tags = sorted(t for t in os.listdir(root) if t.startswith("step") and t[4:].isdigit())
+    if step == BEST:  # the trainer's checkpoints/best: best held-out decoding acceptance
+        from eagle3.train.trainer import BEST_DIR
+        if not complete(BEST_DIR):
+            raise FileNotFoundError(f"{run_dir}: no complete {CHECKPOINTS_DIR}/{BEST_DIR} (it is written at held-out "
+                                    "evaluations; a run without a held-out split has none)")
+        return os.path.join(root, BEST_DIR), int(_read_json(os.path.join(root, BEST_DIR, CKPT_FILE))["step"])
     if step is not None:
         tag = f"step{int(step):08d}"
         if tag not in tags or not complete(tag):

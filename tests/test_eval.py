@@ -88,3 +88,58 @@ def test_spec_stats_pooling():
         s.add_round(n)
     assert s.verify_steps == 4 and s.round_tokens == (3 + 1) + 1 + 2 + 4
     assert s.reached == [4, 3, 2] and s.accepted == [3, 2, 2]   # n=1 reaches draft 2, n=0 only draft 1
+
+
+def test_held_out_walk_replays_speculative_decoding_exactly(word_target, distilled, trained_export):
+    """train/acceptance.walk over a TTT unroll of the target's own greedy answer counts exactly the rounds, reached
+    and accepted drafts that real speculative decoding (eval) counts on the same prompt."""
+    from eagle3.dump.capture import HiddenStateCapture
+    from eagle3.dump.targets import find_backbone, load_target, load_tokenizer, target_info
+    from eagle3.eval.speculative import SpeculativeDecoder, load_drafter_from_export, read_prompts
+    from eagle3.export.sglang import capture_indices_of_export
+    from eagle3.train.acceptance import ChainStats, draft_hits, walk
+    K, max_new = 4, 20
+    info = target_info(word_target)
+    indices = capture_indices_of_export(trained_export, info.num_hidden_layers)
+    target = load_target(word_target, torch.float32, torch.device("cpu"))
+    backbone = find_backbone(target, info.num_hidden_layers)
+    drafter = load_drafter_from_export(trained_export, target.get_input_embeddings().weight, torch.float32,
+                                       torch.device("cpu"))
+    dec = SpeculativeDecoder(target, backbone, drafter, indices, set())  # no eos: every answer runs to max_new
+    compared = 0
+    for prompt in read_prompts(distilled, load_tokenizer(word_target), 6):
+        ref, _ = dec.greedy(prompt, max_new + K + 1)          # room for the last round's drafts
+        _, real = dec.generate(prompt, max_new, K)
+        ids = torch.tensor([prompt + ref])
+        with torch.no_grad(), HiddenStateCapture(backbone, indices) as cap:
+            logits = target(input_ids=ids).logits
+            aux = torch.cat([cap.states[k] for k in indices], dim=-1)
+            hits = draft_hits(drafter, drafter.ttt_forward(aux, ids, steps=K), logits.argmax(-1))
+        loss_mask = torch.zeros_like(ids)
+        loss_mask[0, len(prompt):] = 1
+        replay = walk(hits, loss_mask, None, K, max_new_tokens=max_new)
+        assert (replay.verify_steps, replay.round_tokens, replay.reached, replay.accepted) == \
+               (real.verify_steps, real.round_tokens, real.reached, real.accepted)
+        assert replay.verify_steps > 2 and sum(replay.accepted) > 0   # the comparison saw real acceptance
+        compared += 1
+    assert compared == 6
+
+
+def test_walk_rounds_by_hand():
+    """One turn at positions 2..11 (first token 2, drafted positions 3..11), K = 3."""
+    from eagle3.train.acceptance import walk
+    T, K = 12, 3
+    hits = torch.zeros(1, T, K, dtype=torch.bool)
+    hits[0, 1] = torch.tensor([True, True, False])    # round at t=1: accepts 2, next round at t=4
+    hits[0, 4] = torch.tensor([True, True, True])     # accepts 3 -> t=8
+    hits[0, 8] = torch.tensor([True, True, True])     # drafts positions 10, 11 only (checked 2): accepts 2 -> t=11
+    mask = torch.zeros(1, T, dtype=torch.long)
+    mask[0, 2:] = 1
+    s = walk(hits, mask, None, K)
+    assert s.verify_steps == 3 and s.round_tokens == 3 + 4 + 3
+    assert s.reached == [3, 3, 2] and s.accepted == [3, 3, 1]   # the last round could judge 2 drafts only
+    s = walk(hits, mask, None, K, max_new_tokens=4)   # 1 + 3 tokens after the first round: stop
+    assert s.verify_steps == 1
+    mask[0, 6] = 0                                    # two turns: 2..5 and 7..11
+    s = walk(hits, mask, None, K)
+    assert s.verify_steps == 1 + 3 and s.accepted == [1 + 1, 1 + 1, 0]   # turn 2: rounds at t = 6, 7 miss, t = 8 takes 2

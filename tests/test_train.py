@@ -135,3 +135,61 @@ def test_overfitting_a_tiny_dump_drives_acc0_to_one(tiny_targets, convs, tmp_pat
     assert res["acc_j"][0] > 0.9 and res["accept_len"] > 5, res
     first = metrics(str(tmp_path / "run"))[0]
     assert first["acc_j"][0] < 0.2
+
+
+def test_compiled_pieces_survive_many_shapes_and_the_held_out_eval(tiny_dump, tiny_targets, tmp_path, monkeypatch):
+    """The fast path's compiled pieces (here through torch.compile's 'eager' backend on the CPU, with a recompile
+    limit of 1 so that the second batch shape already exceeds it) fall back to the uncompiled math instead of ending
+    the run with FailOnRecompileLimitHit; the run then checkpoints, evaluates and keeps its best weights, which
+    export-sglang --step best exports."""
+    import torch._dynamo
+    from eagle3.export.sglang import export_drafter
+    from eagle3.train import kernels
+    from eagle3.train.config import TrainConfig
+    from eagle3.train.trainer import train
+    monkeypatch.setattr(kernels, "COMPILE_ON_CPU", "eager")
+    monkeypatch.setattr(kernels, "_COMPILED", {})
+    monkeypatch.setattr(kernels, "_EAGER", set())
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    out = tmp_path / "run"
+    with pytest.warns(RuntimeWarning, match="running it uncompiled"):
+        res = train(TrainConfig(dump=[tiny_dump], target=tiny_targets["llama"], out=str(out), drafter="tiny",
+                                draft_vocab_size=512, bf16=False, max_steps=12, token_budget=160, lr=3e-3,
+                                warmup_steps=2, held_out_fraction=0.25, eval_interval=4, save_interval=5,
+                                accept_steps=3, num_workers=0, log_interval=1, progress=False,
+                                wandb_mode="disabled"))
+    assert kernels._EAGER, "the recompile limit was hit (the test exercised the fallback)"
+    lengths = {r["tokens"] for r in metrics(str(out))}
+    assert len(lengths) > 3, "batches of many shapes"
+    evals = metrics(str(out), "eval")
+    assert [e["step"] for e in evals] == [4, 8, 12]
+    assert all(e["decode_steps"] == 3 and len(e["decode_rate_j"]) == 3 and e["rounds"] > 0
+               and 1.0 <= e["decode_accept_len"] <= 4.0 for e in evals)
+    best = max(evals, key=lambda e: e["decode_accept_len"])
+    assert res["best"]["step"] == best["step"]
+    rec = json.load(open(out / "checkpoints" / "best" / "eagle3_checkpoint.json"))
+    assert rec["step"] == best["step"] and rec["best"]["decode_accept_len"] == best["decode_accept_len"]
+    assert sorted(t for t in os.listdir(out / "checkpoints") if not t.endswith(".py")) == \
+        ["best", "latest", "step00000010", "step00000012"]
+    prov = export_drafter(str(out), str(tmp_path / "export"), step="best")
+    assert prov["step"] == best["step"]
+    w = load_file(str(tmp_path / "export" / "model.safetensors"))
+    b = load_file(str(out / "checkpoints" / "best" / "drafter.safetensors"))
+    assert torch.equal(w["fc.weight"].float(), b["fc.weight"].to(torch.bfloat16).float())
+
+
+def test_an_error_in_the_final_evaluation_keeps_the_final_checkpoint(tiny_dump, tiny_targets, tmp_path, monkeypatch):
+    from eagle3.train import acceptance
+    from eagle3.train.config import TrainConfig
+    from eagle3.train.trainer import train
+
+    def broken(*a, **k):
+        raise RuntimeError("evaluation blew up")
+    monkeypatch.setattr(acceptance, "walk", broken)
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="blew up"):
+        train(TrainConfig(dump=[tiny_dump], target=tiny_targets["llama"], out=str(out), drafter="tiny",
+                          draft_vocab_size=512, bf16=False, max_steps=3, token_budget=256, held_out_fraction=0.25,
+                          eval_interval=100, save_interval=100, num_workers=0, progress=False, wandb_mode="disabled"))
+    assert open(out / "checkpoints" / "latest").read().strip() == "step00000003"
+    assert os.path.isfile(out / "checkpoints" / "step00000003" / "drafter.safetensors")

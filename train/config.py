@@ -38,6 +38,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     eval_interval: int = 250
     eval_batches: int = 20
+    accept_steps: int | None = None    # chain length of the held-out decoding replay (default: ttt_steps)
+    accept_max_new_tokens: int | None = None  # replay: stop each turn after this many tokens, as eval does
+    keep_best: bool = True         # checkpoints/best: the weights with the best held-out decoding acceptance
     log_interval: int = 10         # steps pooled per metrics line (the only host sync of the loop)
     num_workers: int = 2
     activation_checkpointing: str = "none"  # none | mlp (recompute gate/up) | step (recompute whole TTT steps)

@@ -22,18 +22,40 @@ import torch
 import torch.nn.functional as F
 
 _COMPILED: dict = {}
+_EAGER: set = set()          # functions whose compiled version failed once: they run as written from then on
+COMPILE_ON_CPU: str | None = None  # tests: a torch.compile backend (e.g. "eager") to exercise the compiled path on CPU
+
+
+def _is_compiler_error(e: BaseException) -> bool:
+    """An error raised by dynamo/inductor themselves (a recompile limit, an unsupported op), not by the math."""
+    return type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
 
 
 def _fused(fn):
     """fn on CPU as written; on CUDA through torch.compile (dynamic shapes, compiled once per function), which fuses
     its chains of elementwise ops and reductions into a few kernels. Same math either way: tests hold the CPU
-    version to float64 references and the device run holds the compiled one to the same."""
+    version to float64 references and the device run holds the compiled one to the same.
+
+    A compiled piece must never end a run: new shapes (a size-1 batch, held-out batches, another dtype) can make
+    dynamo recompile, and past its recompile limit `fullgraph=True` turns that into a hard error
+    (FailOnRecompileLimitHit, which once killed a run at its final evaluation). Any compiler error therefore falls
+    back to the function as written, for that function, for the rest of the process (one warning)."""
     def call(*args):
-        if not args[0].is_cuda:
+        backend = "inductor" if args[0].is_cuda else COMPILE_ON_CPU
+        if backend is None or fn in _EAGER:
             return fn(*args)
         if fn not in _COMPILED:
-            _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
-        return _COMPILED[fn](*args)
+            _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True, backend=backend)
+        try:
+            return _COMPILED[fn](*args)
+        except Exception as e:
+            if not _is_compiler_error(e):
+                raise
+            _EAGER.add(fn)
+            import warnings
+            warnings.warn(f"torch.compile of {fn.__name__} failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                          "running it uncompiled from now on (same math, slower)", RuntimeWarning, stacklevel=2)
+            return fn(*args)
     call.__wrapped__ = fn
     return call
 

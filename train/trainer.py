@@ -52,9 +52,24 @@ class DrafterTrainStep(nn.Module):
         draft_rows = target_lm_head[drafter.t2d.to(target_lm_head.device)].clone() if self.fast else None
         self.register_buffer("draft_head", draft_rows, persistent=False)
 
-    def forward(self, hidden_state, input_ids, attention_mask, loss_mask, target_hidden, target_argmax=None):
+    @torch.no_grad()
+    def full_argmax(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's full-vocab argmax [B, T] from its own head (when the dump did not record it)."""
+        th = target_hidden.reshape(-1, target_hidden.shape[-1])
+        w = self.target_lm_head
+        am = [(th[s:s + self.chunk].to(w.dtype) @ w.T).argmax(-1) for s in range(0, th.shape[0], self.chunk)]
+        return torch.cat(am).view(target_hidden.shape[:-1])
+
+    def forward(self, hidden_state, input_ids, attention_mask, loss_mask, target_hidden, target_argmax=None,
+                with_hits: bool = False):
+        """(loss, stats [3, K]); with_hits (held-out evaluation, no grad) also the [B, T, K] draft hits that
+        acceptance.walk replays as decoding would."""
         from eagle3.train.loss import eagle3_loss, eagle3_loss_fused
         outs = self.drafter(hidden_state, input_ids, attention_mask, steps=self.steps, fast=self.fast)
+        if with_hits:
+            from eagle3.train.acceptance import draft_hits
+            targ = target_argmax if target_argmax is not None else self.full_argmax(target_hidden)
+            hits = draft_hits(self.drafter, outs, targ.long(), self.chunk)
         if self.fast:
             loss, m = eagle3_loss_fused(self.drafter, outs, target_hidden, input_ids, loss_mask, attention_mask,
                                         self.decay, self.chunk, lm_head_weight=self.target_lm_head,
@@ -62,7 +77,8 @@ class DrafterTrainStep(nn.Module):
         else:
             loss, m = eagle3_loss(self.drafter, outs, target_hidden, self.target_lm_head, input_ids, loss_mask,
                                   attention_mask, decay=self.decay, chunk_tokens=self.chunk)
-        return loss, torch.stack([m["ce_sum"], m["correct"], m["count"]])
+        stats = torch.stack([m["ce_sum"], m["correct"], m["count"]])
+        return (loss, stats, hits) if with_hits else (loss, stats)
 
 
 # ----------------------------------------------------------------------------------------------- set-up pieces
@@ -212,6 +228,39 @@ def save_checkpoint(engine, run_dir: str, step: int, cfg: TrainConfig, world: D.
     return path
 
 
+BEST_DIR = "best"
+
+
+def save_best(engine, run_dir: str, step: int, world: D.World, run_record: dict, best: dict) -> None:
+    """checkpoints/best/: the consolidated drafter with the best held-out decoding acceptance so far (for export:
+    `export-sglang --step best`); replaced atomically (written aside, then renamed over)."""
+    from safetensors.torch import save_file
+    weights = consolidated_state_dict(engine)
+    if world.is_main:
+        root = os.path.join(run_dir, "checkpoints")
+        tmp, final = os.path.join(root, f".{BEST_DIR}.tmp"), os.path.join(root, BEST_DIR)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        save_file(weights, os.path.join(tmp, WEIGHTS_FILE), metadata={"eagle3_step": str(step)})
+        with open(os.path.join(tmp, CKPT_FILE), "w") as f:
+            json.dump(dict(run_record, step=step, tag=BEST_DIR, weights=WEIGHTS_FILE, best=best), f, indent=1)
+        old = os.path.join(root, f".{BEST_DIR}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.isdir(final):
+            os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    D.barrier()
+
+
+def _read_best(run_dir: str) -> dict | None:
+    path = os.path.join(run_dir, "checkpoints", BEST_DIR, CKPT_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("best")
+
+
 def _resume_point(run_dir: str) -> str | None:
     latest = os.path.join(run_dir, "checkpoints", "latest")
     if not os.path.isfile(latest):
@@ -338,18 +387,30 @@ def train(cfg: TrainConfig) -> dict:
         return (b["hidden_state"], b["input_ids"], b["attention_mask"], b["loss_mask"], b["target_hidden"],
                 b.get("target_argmax"))
 
+    accept_k = min(cfg.accept_steps or cfg.ttt_steps, cfg.ttt_steps)
+
     def evaluate() -> dict:
+        """Held-out: teacher-forced acc_j as in training, and the decoding replay (acceptance.walk): what greedy
+        chain drafting with `accept_k` steps accepts on these (target-written) answers."""
+        from eagle3.train.acceptance import ChainStats, walk
         eval_plan = BatchPlan([r.length for r in held_refs], cfg.token_budget, cfg.seed, world.rank,
                               world.world_size, shuffle=False)
         stats = torch.zeros(3, cfg.ttt_steps, dtype=torch.float64, device=device)
+        chain = ChainStats(accept_k)
         engine.eval()
         n = min(cfg.eval_batches, len(eval_plan.epoch(0)))
         with torch.no_grad():
             for b in make_loader(dumps, held_refs, eval_plan, 0, n, num_workers=0):
-                _, s = engine(*model_inputs(to_device(b)))
+                b = to_device(b)
+                _, s, hits = engine(*model_inputs(b), with_hits=True)
                 stats += s
+                walk(hits, b["loss_mask"], b["attention_mask"], accept_k, cfg.accept_max_new_tokens, stats=chain)
         engine.train()
-        return pooled(all_reduce_sum(stats))
+        chain = ChainStats.from_tensor(all_reduce_sum(chain.as_tensor().to(device)).cpu(), accept_k)
+        return {**pooled(all_reduce_sum(stats)), "decode_steps": accept_k, "rounds": chain.verify_steps,
+                "decode_accept_len": chain.acceptance_length, "decode_rate_j": chain.rates}
+
+    best = _read_best(run_dir) if resume_tag is not None else None
 
     loader = make_loader(dumps, train_refs, plan, start_step=step, num_steps=total - step,
                          num_workers=cfg.num_workers, pin_memory=on_gpu)
@@ -359,6 +420,7 @@ def train(cfg: TrainConfig) -> dict:
     t_last, tokens_since, n_since = time.perf_counter(), 0, 0
     since = torch.zeros(3 * cfg.ttt_steps + 1, dtype=torch.float64, device=device)  # stats + loss, on the device
     result: dict = {}
+    postfix: dict = {}
     for batch in loader:
         loss, stats = engine(*model_inputs(to_device(batch)))
         engine.backward(loss)
@@ -377,24 +439,36 @@ def train(cfg: TrainConfig) -> dict:
                    **pooled(red[:-2].reshape(3, -1)), "tokens": int(red[-1]), "tok_s": float(red[-1]) / dt,
                    "lr": sched.get_last_lr()[0], "time": time.time()}
             metrics.write(rec)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc_j'][0]:.2f}", tau=f"{rec['accept_len']:.2f}",
-                            tok_s=f"{rec['tok_s']:,.0f}")
+            postfix.update(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc_j'][0]:.2f}", tau=f"{rec['accept_len']:.2f}",
+                           tok_s=f"{rec['tok_s']:,.0f}")
+            bar.set_postfix(postfix)
             result = rec
             t_last, tokens_since, n_since = time.perf_counter(), 0, 0
             since.zero_()
         bar.update(1)
+        # save first: whatever happens in the evaluation below, the step's weights are on disk
+        if step % cfg.save_interval == 0 or step == total:
+            save_checkpoint(engine, run_dir, step, cfg, world, run_record)
         if held_refs and (step % cfg.eval_interval == 0 or step == total):
             ev = {"step": step, "split": "eval", **evaluate()}
             metrics.write(ev)
             result["eval"] = ev
-            log(f"\n[eval] step {step}: acc_j {[round(a, 3) for a in ev['acc_j']]} accept_len {ev['accept_len']:.3f}")
-        if step % cfg.save_interval == 0 or step == total:
-            save_checkpoint(engine, run_dir, step, cfg, world, run_record)
+            log(f"\n[eval] step {step}: acc_j {[round(a, 3) for a in ev['acc_j']]}; decoding replay (K={accept_k}): "
+                f"acceptance length {ev['decode_accept_len']:.3f}, rate by position "
+                f"{[round(a, 2) for a in ev['decode_rate_j']]}")
+            if cfg.keep_best and (best is None or ev["decode_accept_len"] > best["decode_accept_len"]):
+                best = {"step": step, "decode_accept_len": ev["decode_accept_len"], "decode_steps": accept_k}
+                save_best(engine, run_dir, step, world, run_record, best)
+            postfix["heldout_tau"] = f"{ev['decode_accept_len']:.2f}"  # the figure decoding will see
+            bar.set_postfix(postfix)
         if cfg.stop_after_steps is not None and step >= cfg.stop_after_steps and step < total:
             bar.close()
             metrics.close()
             raise SystemExit(f"stopped at step {step} (--stop-after-steps)")
     bar.close()
     metrics.close()
-    log(f"[train] done: {step} steps -> {run_dir}/checkpoints (latest: {_resume_point(run_dir)})")
+    log(f"[train] done: {step} steps -> {run_dir}/checkpoints (latest: {_resume_point(run_dir)}"
+        + (f", best: step {best['step']}, held-out acceptance length {best['decode_accept_len']:.3f})" if best else ")"))
+    if best:
+        result["best"] = best
     return result
