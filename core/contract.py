@@ -155,6 +155,9 @@ class DumpManifest:
     shards: list[ShardRecord] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=dict)
     data_files: list[str] = field(default_factory=list)
+    # Data files written by `eagle3 regenerate`: file, sha256, and who wrote them (backend, model, sampling,
+    # target identity). Provenance only: not part of identity(), so such dumps mix with others.
+    data_sources: list[dict] = field(default_factory=list)
     format: str = DUMP_FORMAT
     format_version: int = DUMP_FORMAT_VERSION
 
@@ -180,7 +183,8 @@ class DumpManifest:
             m = cls(target=TargetInfo(**d["target"]), capture=CaptureSpec(**d["capture"]),
                     tokenizer=TokenizerInfo(**d["tokenizer"]), dtype=d["dtype"], max_length=d["max_length"],
                     tp_size=d["tp_size"], dp_size=d["dp_size"], shards=[ShardRecord(**s) for s in d["shards"]],
-                    skipped=d.get("skipped", {}), data_files=d.get("data_files", []))
+                    skipped=d.get("skipped", {}), data_files=d.get("data_files", []),
+                    data_sources=d.get("data_sources", []))
         except (KeyError, TypeError) as e:
             raise ContractError(f"{source}: malformed manifest ({e})") from e
         validate_indices(m.capture.hidden_state_indices, m.target.num_hidden_layers)

@@ -1,8 +1,9 @@
 """`eagle3 quickstart`: the whole pipeline on the embedded default (SmolLM2-135M-Instruct + ShareGPT).
 
-dump -> vocab -> train (DeepSpeed) -> export (SGLang) -> eval (real speculative decoding on prompts the drafter
-never saw), each stage with its progress bar, then one summary table. Sized to finish in about 15 minutes on a
-2-core CPU; on a GPU it uses bf16 and the same code.
+regenerate (the target writes the answers, `--engine hf`) -> dump -> vocab -> train (DeepSpeed) -> export (SGLang)
+-> eval (real speculative decoding on held-out prompts the drafter never saw), each stage with its progress bar, then
+one summary table. Sized to finish in about 15 minutes on a 2-core CPU; on a GPU it uses bf16, more data and the
+same code. Every default below was chosen by measurement (bench/quality.md).
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ from dataclasses import dataclass
 @dataclass
 class QuickstartConfig:
     out: str = "runs/quickstart"
-    num_samples: int = 240           # conversations dumped
-    max_length: int = 512
-    train_steps: int | None = None   # default: 160 on a CPU (about 7 minutes on 2 cores), 600 on a GPU
+    num_samples: int | None = None   # conversations regenerated and dumped; default 320 on a CPU, 6000 on a GPU
+    max_length: int = 512            # dump: tokens per conversation; the GPU default is 1024
+    regen_max_new_tokens: int | None = None  # regenerate: tokens per answer; default 160 on a CPU, 512 on a GPU
+    temperature: float = 0.0         # regenerate: sampling temperature (0 = greedy, as greedy serving decodes)
+    max_turns: int | None = 1        # regenerate: assistant turns per conversation (None = all)
+    train_steps: int | None = None   # default: 500 on a CPU, 2000 on a GPU
     token_budget: int | None = None  # padded tokens per step; default 1024 on a CPU, 8192 on a GPU
     draft_vocab_size: int | None = None  # default: 2048 on a CPU (cheaper head), the drafter preset's on a GPU
-    draft_steps: int = 5             # chain length in eval
+    lr: float | None = None          # default: the example training preset's
+    draft_steps: int = 5             # chain length in eval (and training's held-out decoding replay)
+    ttt_steps: int | None = None     # training-time-test unroll; default: draft_steps on a CPU, the preset's on a GPU
     eval_prompts: int = 8
     max_new_tokens: int = 64
     held_out_fraction: float = 0.05
@@ -58,6 +64,7 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     from eagle3.dump.conversations import example_sharegpt_jsonl
     from eagle3.dump.example import example_target_dir
     from eagle3.dump.job import DumpConfig, run_dump
+    from eagle3.dump.regenerate import CONVERSATIONS, RegenConfig, run_regenerate
     from eagle3.eval.speculative import evaluate
     from eagle3.export.sglang import export_drafter
     from eagle3.train.config import TrainConfig, load_yaml
@@ -66,23 +73,39 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     on_gpu = q.device != "cpu" and torch.cuda.is_available()
     # The dump runs the target in bf16 (on these CPUs too: bf16 matmuls ran ~1.8x faster than fp32 here); the
     # eval checks losslessness token for token, so it runs in fp32 (a K+1-token verify forward and one-token decode
-    # steps round differently in bf16 and can flip near-ties).
-    train_steps = q.train_steps or (600 if on_gpu else 160)
+    # steps round differently in bf16 and can flip near-ties). Regeneration on a CPU runs fp32 (one-token decode
+    # steps ran ~1.8x slower in bf16 there).
+    num_samples = q.num_samples or (6000 if on_gpu else 320)
+    regen_new = q.regen_max_new_tokens or (512 if on_gpu else 160)
+    max_length = q.max_length if not on_gpu or q.max_length != QuickstartConfig.max_length else 1024
+    train_steps = q.train_steps or (2000 if on_gpu else 500)
     token_budget = q.token_budget or (8192 if on_gpu else 1024)
     os.makedirs(q.out, exist_ok=True)
     t_start, times = time.perf_counter(), {}
-    N = 6
+    N = 7
 
-    _stage(1, N, "dump: SmolLM2-135M-Instruct over ShareGPT, capture the aux hidden states")
+    _stage(1, N, "regenerate: SmolLM2-135M-Instruct writes the answers of ShareGPT conversations (--engine hf)")
     t0 = time.perf_counter()
     target = example_target_dir()
-    data = q.data or example_sharegpt_jsonl()[0]
+    source = q.data or example_sharegpt_jsonl()[0]
+    regen_dir = os.path.join(q.out, "regen")
+    regen = run_regenerate(RegenConfig(data=[source], out=regen_dir, target=target, engine="hf",
+                                       temperature=q.temperature, max_new_tokens=regen_new, num_samples=num_samples,
+                                       max_turns=q.max_turns, max_prompt_tokens=max_length // 2, device=q.device,
+                                       batch_size=512 if on_gpu else 64,
+                                       batch_tokens=(512 if on_gpu else 64) * (max_length // 2 + regen_new),
+                                       progress=q.progress))
+    data = os.path.join(regen_dir, CONVERSATIONS)
+    times["regenerate"] = time.perf_counter() - t0
+
+    _stage(2, N, "dump: run the target over its own answers, capture the aux hidden states")
+    t0 = time.perf_counter()
     dump_dir = os.path.join(q.out, "dump")
-    manifest = run_dump(DumpConfig(target=target, data=[data], out=dump_dir, num_samples=q.num_samples,
-                                   max_length=q.max_length, dtype="bf16", device=q.device, progress=q.progress))
+    manifest = run_dump(DumpConfig(target=target, data=[data], out=dump_dir, max_length=max_length, dtype="bf16",
+                                   device=q.device, progress=q.progress))
     times["dump"] = time.perf_counter() - t0
 
-    _stage(2, N, "vocab: the draft vocabulary from the training split")
+    _stage(3, N, "vocab: the draft vocabulary from the training split")
     t0 = time.perf_counter()
     preset = load_yaml("example")
     dumps = DumpSet(dump_dir, verify=False)
@@ -95,31 +118,39 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     save_vocab(vocab_path, vocab)
     times["vocab"] = time.perf_counter() - t0
 
-    _stage(3, N, "train: the EAGLE-3 drafter inside DeepSpeed")
+    _stage(4, N, "train: the EAGLE-3 drafter inside DeepSpeed")
     t0 = time.perf_counter()
     run_dir = os.path.join(q.out, "run")
     fields = {k: v for k, v in preset.items()}
     fields.update(dump=[dump_dir], target=target, out=run_dir, vocab=vocab_path, max_steps=train_steps,
                   draft_vocab_size=n_vocab, token_budget=token_budget, bf16=on_gpu,
                   held_out_fraction=q.held_out_fraction, warmup_steps=min(20, train_steps // 10 + 1),
-                  save_interval=train_steps, eval_interval=train_steps, num_workers=1, progress=q.progress,
+                  # checkpoints along the way (a run never ends with nothing saved), held-out decoding replays
+                  # at the eval's chain length and answer length, and the best of them kept for the export
+                  save_interval=max(1, train_steps // 4), eval_interval=max(1, train_steps // 10),
+                  accept_steps=q.draft_steps, accept_max_new_tokens=q.max_new_tokens, keep_best=True,
+                  num_workers=1, progress=q.progress,
                   resume=os.path.isfile(os.path.join(run_dir, "checkpoints", "latest")))
+    if q.lr:
+        fields["lr"] = q.lr
+    fields["ttt_steps"] = q.ttt_steps or (fields.get("ttt_steps", 7) if on_gpu else q.draft_steps)
     if fields["resume"]:
         print("[quickstart] a finished training run is already there; resuming it (nothing left to do if done)",
               file=sys.stderr)
     train_result = train(TrainConfig(**fields))
     times["train"] = time.perf_counter() - t0
 
-    _stage(4, N, "export: an SGLang-loadable drafter")
+    _stage(5, N, "export: an SGLang-loadable drafter (the checkpoint with the best held-out acceptance)")
     t0 = time.perf_counter()
     export_dir = os.path.join(q.out, "sglang-drafter")
     if os.path.isdir(export_dir):
         import shutil
         shutil.rmtree(export_dir)
-    prov = export_drafter(run_dir, export_dir)
+    has_best = os.path.isfile(os.path.join(run_dir, "checkpoints", "best", "drafter.safetensors"))
+    prov = export_drafter(run_dir, export_dir, step="best" if has_best else None)
     times["export"] = time.perf_counter() - t0
 
-    _stage(5, N, "eval: speculative decoding on held-out prompts, checked against target-only greedy")
+    _stage(6, N, "eval: speculative decoding on held-out prompts, checked against target-only greedy")
     t0 = time.perf_counter()
     held = {r.sample_index for r in held_refs}
     last = max(r.sample_index for r in dumps.refs)
@@ -129,20 +160,28 @@ def run_quickstart(q: QuickstartConfig) -> dict:
                       device=q.device, progress=q.progress)
     times["eval"] = time.perf_counter() - t0
 
-    _stage(6, N, "summary")
+    _stage(7, N, "summary")
     tot = manifest.totals
-    ev = train_result.get("eval", {})
+    best = train_result.get("best") or {}
+    ev = _eval_row(run_dir, best.get("step")) or train_result.get("eval", {})
     server = (f"python -m sglang.launch_server --model-path {os.path.abspath(target)} --speculative-algorithm EAGLE3 "
               f"--speculative-draft-model-path {os.path.abspath(export_dir)} --speculative-num-steps "
               f"{q.draft_steps} --speculative-eagle-topk 1 --speculative-num-draft-tokens {q.draft_steps + 1}"
               + (" --disable-cuda-graph" if prov.get("needs_disable_cuda_graph") else ""))
+    counts = regen.get("counts", {})
     rows = [
+        ("regenerated", f"{counts.get('conversations', '?')} conversations, {counts.get('generated_tokens', 0):,} "
+                        f"answer tokens by the target ({regen.get('sampling', {}).get('temperature', 0)} temperature, "
+                        f"{times['regenerate']:.0f}s)"),
         ("tokens dumped", f"{tot['tokens']:,} in {tot['samples']} conversations ({tot['bytes'] / 2**20:,.0f} MiB), "
                           f"capture HF {manifest.capture.hidden_state_indices}"),
         ("draft vocab", f"{n_vocab} ids, coverage {vocab['meta']['coverage']:.1%}"),
         ("training", f"{train_result.get('step')} steps, final loss {train_result.get('loss', float('nan')):.3f}"),
         ("train acc_j", " ".join(f"{a:.2f}" for a in train_result.get("acc_j", []))),
         ("held-out acc_j", " ".join(f"{a:.2f}" for a in ev.get("acc_j", [])) or "n/a"),
+        ("held-out replay", (f"acceptance length {ev['decode_accept_len']:.2f}, by position "
+                             + " ".join(f"{a:.2f}" for a in ev["decode_rate_j"])
+                             + f" (step {ev['step']}, exported)") if "decode_accept_len" in ev else "n/a"),
         ("acceptance length", f"{report['acceptance_length']:.2f} (chain of {q.draft_steps}, "
                               f"{report['prompts']} held-out prompts)"),
         ("accept rate by pos", " ".join(f"{a:.2f}" for a in report["acceptance_rate_per_position"])),
@@ -157,8 +196,17 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
-    summary = {"times": times, "eval": report, "train": train_result, "export": prov, "serve": server,
-               "dump_totals": tot}
+    summary = {"times": times, "eval": report, "train": train_result, "heldout_replay": ev, "export": prov,
+               "serve": server, "dump_totals": tot, "regenerate": regen}
     with open(os.path.join(q.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
     return summary
+
+
+def _eval_row(run_dir: str, step: int | None) -> dict | None:
+    """The held-out evaluation record of `step` in metrics.jsonl (the exported best checkpoint's)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if step is None or not os.path.isfile(path):
+        return None
+    rows = [json.loads(line) for line in open(path)]
+    return next((r for r in reversed(rows) if r.get("split") == "eval" and r["step"] == step), None)

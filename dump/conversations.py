@@ -8,7 +8,9 @@ Input files (read with HF ``datasets``):
 * roles: human/user -> user; gpt/assistant/chatgpt/bard/bing/model -> assistant; system -> system
   (``bing`` occurs in ShareGPT V3 itself); anything else is a :class:`DataError`;
 * content: a string, or a list of ``{"type": "text", "text": ...}`` parts (joined with no separator);
-  anything else (image parts, numbers, objects, null) is a :class:`DataError` naming the record and turn.
+  anything else (image parts, numbers, objects, null) is a :class:`DataError` naming the record and turn;
+* an assistant turn's ``reasoning_content`` (a string; what ``eagle3 regenerate`` stores from servers with a
+  reasoning parser) is kept on the message, so chat templates that render it (Kimi, DeepSeek, Qwen3) do.
 
 Record locations ("origins") are ``path:LINE`` (1-based line) for JSON lines and ``path:record K`` (0-based
 position) for JSON arrays and parquet.
@@ -241,7 +243,8 @@ def _content_text(content: Any, where: str) -> str:
 
 
 def normalize_record(record: Any, origin: str) -> list[dict]:
-    """One record -> [{"role": "system"|"user"|"assistant", "content": str}]; DataError on bad input."""
+    """One record -> [{"role": "system"|"user"|"assistant", "content": str}] (assistant turns may also carry
+    "reasoning_content": str); DataError on bad input."""
     if not isinstance(record, dict):
         raise DataError(f"{origin}: expected an object with 'conversations' or 'messages', got {_describe(record)}")
     if record.get("messages") is not None:
@@ -268,6 +271,13 @@ def normalize_record(record: Any, origin: str) -> list[dict]:
             raise DataError(f"{origin}: turn {j} has unknown role {raw_role!r} (known: {', '.join(ROLE_MAP)})")
         content = _content_text(turn.get(content_key), f"{origin}: turn {j} ({raw_role})")
         out.append({"role": role, "content": content})
+        reasoning = turn.get("reasoning_content")
+        if role == "assistant" and reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise DataError(f"{origin}: turn {j} ({raw_role}): reasoning_content must be a string, got "
+                                f"{_describe(reasoning)}")
+            if reasoning:
+                out[-1]["reasoning_content"] = reasoning
     return out
 
 

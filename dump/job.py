@@ -26,6 +26,7 @@ from eagle3.contract import CaptureSpec, ContractError, DumpManifest
 from eagle3.dump import shards as S
 from eagle3.dump import targets as T
 from eagle3.dump.capture import ARGMAX, HiddenStateCapture, verify_full_width
+from eagle3.dump.regenerate import data_sources
 
 MANIFEST = C.MANIFEST_FILE
 DUMP_CONFIG = "dump_config.json"
@@ -47,6 +48,7 @@ class DumpConfig:
     progress: bool = True
     record_argmax: bool = True           # store the target's full-vocab argmax per token (4 B/token; fast teacher)
     stop_after_shards: int | None = None  # testing aid: exit after writing this many shards (simulates a kill)
+    allow_foreign_data: bool = False     # dump data that `eagle3 regenerate` wrote with another target anyway
 
 
 def plan_shards(lengths: list[int], bytes_per_token: int, shard_bytes: int) -> list[list[int]]:
@@ -193,7 +195,9 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
     tok_info = T.tokenizer_info(tokenizer)
     manifest = DumpManifest(target=info, capture=CaptureSpec(hidden_state_indices=indices), tokenizer=tok_info,
                             dtype=str(dtype).removeprefix("torch."), max_length=cfg.max_length, tp_size=tp,
-                            dp_size=dp, data_files=[os.path.abspath(p) for p in cfg.data])
+                            dp_size=dp, data_files=[os.path.abspath(p) for p in cfg.data],
+                            # regenerated data must come from this target (ContractError otherwise)
+                            data_sources=data_sources(cfg.data, info, tok_info, cfg.allow_foreign_data))
     log(f"[dump] target {info.architecture} L={info.num_hidden_layers} H={info.hidden_size}; capturing "
         f"{C.describe(indices)} + post-norm final state; world {world.world_size} = dp {dp} x tp {tp}")
 

@@ -1,0 +1,199 @@
+"""bench/peer_specforge_quality.py end to end on the CPU: SpecForge 0.2.0's own EAGLE-3 training on our tiny dump,
+exported in our SGLang layout and decoded losslessly by `eagle3 eval`; and, at equal weights, SpecForge's step
+outputs and loss against ours (same inputs and teacher; its loss mask two tokens behind ours; a 1/(B*T) mean).
+Skipped when specforge is not installed (CI does not install it: `pip install --no-deps specforge==0.2.0`)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("specforge") is None,
+                                reason="specforge is not installed (pip install --no-deps specforge==0.2.0)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "peer_specforge_quality.py")
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("peer_specforge_quality", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def our_run(convs, tmp_path_factory):
+    """Our pipeline at a tiny scale on a whole-word tiny Llama and its own (greedy) answers, as test_eval does: fp32
+    dump (HF [1, 3, 4]), a few training steps with a draft vocab of half the target's (so some teacher argmaxes
+    fall outside it), the SGLang export."""
+    from tiny import WORDS, make_target, self_distilled_conversations
+    from tiny_tokenizers import make_word_tokenizer
+
+    from eagle3.dump.job import DumpConfig, run_dump
+    from eagle3.export.sglang import export_drafter
+    from eagle3.train.config import TrainConfig
+    from eagle3.train.trainer import train
+    root = tmp_path_factory.mktemp("peer")
+    tok = make_word_tokenizer(WORDS)
+    target = make_target(str(root / "target"), "llama", tokenizer=tok, vocab_size=len(tok), layer_scale=8.0)
+    data = self_distilled_conversations(target, convs, str(root / "distilled.jsonl"), max_new_tokens=24)
+    dump = str(root / "dump")
+    run_dump(DumpConfig(target=target, data=[data], out=dump, layers=[1, 3, 4], dtype="fp32", progress=False))
+    run = str(root / "run")
+    train(TrainConfig(dump=[dump], target=target, out=run, drafter="tiny", draft_vocab_size=len(tok) // 2,
+                      bf16=False, max_steps=4, token_budget=256, lr=3e-3, warmup_steps=2, held_out_fraction=0.2,
+                      save_interval=1000, eval_interval=1000, num_workers=0, progress=False, wandb_mode="disabled",
+                      ttt_steps=3))
+    export = str(root / "export")
+    export_drafter(run, export)
+    return {"root": root, "dump": dump, "run": run, "export": export, "target": target, "data": data}
+
+
+def test_peer_trains_exports_and_decodes_losslessly(our_run):
+    from eagle3.eval.speculative import evaluate, load_drafter_from_export
+    from eagle3.export.sglang import load_export
+    from eagle3.train.target_weights import load_embedding_and_head
+    out = str(our_run["root"] / "peer")
+    cmd = [sys.executable, SCRIPT, "--run", our_run["run"], "--dump", our_run["dump"], "--target", our_run["target"],
+           "--vocab", os.path.join(our_run["run"], "vocab.safetensors"), "--template-export", our_run["export"],
+           "--out", out, "--steps", "20", "--device", "cpu", "--no-bf16", "--num-workers", "0", "--log-interval", "5"]
+    env = dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
+    rows = [json.loads(line) for line in open(os.path.join(out, "peer_metrics.jsonl"))]
+    steps = [row for row in rows if "step" in row]
+    assert [row["step"] for row in steps] == [5, 10, 15, 20]
+    assert all(len(row["acc_j"]) == 3 and len(row["ploss_j"]) == 3 and row["tok_s"] > 0 for row in steps)
+    assert steps[-1]["loss"] < steps[0]["loss"]                 # it learns
+    summary = rows[-1]["summary"]
+    s = summary["settings"]                                      # taken from our run.json
+    assert (s["ttt"], s["token_budget"], s["lr"], s["warmup_steps"], s["held_out_fraction"]) == (3, 256, 3e-3, 2, 0.2)
+    assert summary["export_check_max_rel_diff"] < 1e-3          # our loader computes what SpecForge computes
+    assert "export check" in r.stderr and "tok/s" in r.stderr
+
+    # the same layout as our export: names, shapes, dtypes; config copied; provenance updated
+    cfg_t, ten_t, prov_t = load_export(our_run["export"])
+    cfg_p, ten_p, prov_p = load_export(out)
+    assert cfg_p == cfg_t
+    assert {k: (v.shape, v.dtype) for k, v in ten_p.items()} == {k: (v.shape, v.dtype) for k, v in ten_t.items()}
+    assert ten_p["lm_head.weight"].dtype == torch.bfloat16 and ten_p["d2t"].dtype == torch.int64
+    assert ten_p["t2d"].dtype == torch.bool
+    assert torch.equal(ten_p["d2t"], ten_t["d2t"]) and torch.equal(ten_p["t2d"], ten_t["t2d"])
+    assert not torch.equal(ten_p["fc.weight"], ten_t["fc.weight"])
+    from eagle3 import contract as C
+    assert prov_p["model_safetensors_sha256"] == C.file_sha256(os.path.join(out, "model.safetensors"))
+    assert prov_p["peer"]["trainer"] == "specforge-0.2.0" and any("PEER WEIGHTS" in n for n in prov_p["notes"])
+    assert prov_p["identity"] == prov_t["identity"] and out in prov_p["server_command"]
+    embed, _ = load_embedding_and_head(our_run["target"])
+    load_drafter_from_export(out, embed, torch.float32, torch.device("cpu"))
+
+    rep = evaluate(our_run["target"], out, our_run["data"], draft_steps=3, max_new_tokens=16, num_prompts=3,
+                   progress=False, device="cpu")
+    assert rep["lossless"], rep["mismatches"]
+    assert rep["capture_indices"] == [1, 3, 4]
+
+
+def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    out[:, n:] = x[:, :-n]
+    return out
+
+
+def test_same_weights_same_outputs_and_the_loss_difference(our_run):
+    """Our drafter's weights copied into SpecForge's model (same names). On one training batch:
+    - the TTT step outputs agree (same inputs, attention pattern and RoPE positions);
+    - SpecForge's ploss_j is sum(soft CE over ITS pairs) / (B*T), its pairs being (t, j) with loss_mask[t+j] = 1 and
+      the teacher argmax at t+1+j in the draft vocab (last token's mask zeroed): checked against a reference;
+    - with a mask for which both rules can select the same pairs (the last two tokens of each sample unmasked) and
+      ours given that mask shifted right by two, our per-step CE sums equal SpecForge's ploss_j * B*T;
+    - at step 0 of training the two total losses differ by the documented normalisation, not by the teacher."""
+    import torch._dynamo
+    from safetensors.torch import load_file
+
+    from eagle3.data.dumps import DumpSet, split
+    from eagle3.data.loader import BatchPlan, make_loader
+    from eagle3.train.drafter import DrafterConfig, Eagle3Drafter
+    from eagle3.train.loss import eagle3_loss, teacher
+    from eagle3.train.target_weights import load_embedding_and_head
+
+    peer = _script()
+    sf = peer.import_specforge("cpu")
+    run = json.load(open(os.path.join(our_run["run"], "run.json")))
+    cfg = run["train"]
+    dcfg = DrafterConfig.from_dict(run["drafter"])
+    ck = sorted(d for d in os.listdir(os.path.join(our_run["run"], "checkpoints")) if d.startswith("step"))[-1]
+    weights = load_file(os.path.join(our_run["run"], "checkpoints", ck, "drafter.safetensors"))
+    embed, head = load_embedding_and_head(our_run["target"])
+    embed, head = embed.float(), head.float()
+    ours = Eagle3Drafter(dcfg)
+    ours.load_state_dict(weights, strict=False)
+    ours.load_target_embedding(embed)
+    draft = peer.build_draft(sf, run["drafter"], embed, weights["d2t"], weights["t2d"], "sdpa", "cpu", torch.float32)
+    missing, unexpected = draft.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                 for k, v in weights.items()}, strict=False)
+    assert missing == ["embed_tokens.weight"] and not unexpected
+    K = cfg["ttt_steps"]
+    model = sf.OnlineEagle3Model(draft, length=K, attention_backend="sdpa")
+
+    dumps = DumpSet(our_run["dump"], verify=False)
+    train_refs, _ = split(dumps.refs, cfg["held_out_fraction"], cfg["seed"])
+    plan = BatchPlan([r.length for r in train_refs], cfg["token_budget"], cfg["seed"], 0, 1)
+    # a batch of the training plan with several samples and right padding
+    batch = next(b for b in make_loader(dumps, train_refs, plan, 0, len(plan.epoch(0)), num_workers=0)
+                 if b["input_ids"].shape[0] > 1 and bool((b["attention_mask"] == 0).any()))
+    B, T = batch["input_ids"].shape
+    hs, ids, am = batch["hidden_state"].float(), batch["input_ids"].long(), batch["attention_mask"].long()
+    th, lm = batch["target_hidden"].float(), batch["loss_mask"].long()
+    n = am.sum(1)
+
+    with torch._dynamo.config.patch(disable=True), torch.no_grad():
+        sf_outs, res = peer.step_outputs(model, peer.specforge_inputs(sf, batch, head, "cpu", torch.float32))
+        our_outs = ours.ttt_forward(hs, ids, am, steps=K)
+        # 1) the same function: the step outputs agree at every real position
+        real = am.bool()
+        for a, b in zip(our_outs, sf_outs):
+            assert torch.allclose(a[real], b[real], rtol=1e-4, atol=1e-4), float((a - b)[real].abs().max())
+        plosses = torch.stack([p.double() for p in res[0]])
+
+        # 2) SpecForge's loss = reference with its own pairs and denominator
+        lm_sf = lm.clone()
+        lm_sf[torch.arange(B), n - 1] = 0
+        th_s = sf.padding(th, left=False)
+        p_t, in_vocab, _ = teacher(th_s.reshape(B * T, -1), head, ours.t2d)
+        p_t, in_vocab = p_t.view(B, T, -1), in_vocab.view(B, T)
+        ref = []
+        for j, m in enumerate(our_outs):
+            lp = torch.log_softmax(ours.draft_logits(m).double(), -1)
+            ce = torch.zeros(B, T, dtype=torch.float64)
+            valid = torch.zeros(B, T, dtype=torch.bool)
+            ce[:, : T - j] = -(p_t[:, j:].double() * lp[:, : T - j]).sum(-1)
+            valid[:, : T - j] = (in_vocab & lm_sf.bool())[:, j:]
+            ref.append((ce * valid).sum() / (B * T))
+        assert torch.allclose(plosses, torch.stack(ref), rtol=1e-4), (plosses, ref)
+
+        # 3) where the two rules select the same pairs, the sums agree: SpecForge's mask is ours shifted by two
+        lm2 = lm.clone()
+        for b in range(B):
+            lm2[b, max(0, n[b] - 2):] = 0
+        b2 = dict(batch, loss_mask=lm2.to(batch["loss_mask"].dtype))
+        _, res2 = peer.step_outputs(model, peer.specforge_inputs(sf, b2, head, "cpu", torch.float32))
+        _, met = eagle3_loss(ours, our_outs, th, head, ids, _shift_right(lm2, 2), am, decay=0.8)
+        sf_sum = torch.stack([p.double() for p in res2[0]]) * (B * T)
+        assert torch.allclose(met["ce_sum"], sf_sum, rtol=1e-4), (met["ce_sum"], sf_sum)
+
+        # 4) the real step-0 losses: same teacher, different pairs and normalisation
+        our_loss, met0 = eagle3_loss(ours, our_outs, th, head, ids, lm, am, decay=0.8)
+        sf_loss = sum(0.8 ** j * p for j, p in enumerate(plosses))
+        ratio = met0["count"] / (B * T)
+        approx = sum(0.8 ** j * met0["loss_per_step"][j] * ratio[j] for j in range(K))
+        frac = float(in_vocab[am.bool()].float().mean())
+        assert 0.3 < frac < 0.99, f"teacher argmax in the draft vocab at {frac:.0%} of positions: want a mix"
+        print(f"\nstep-0 loss on one batch (B={B}, T={T}, teacher argmax in draft vocab {frac:.0%}): ours "
+              f"{float(our_loss):.4f}, SpecForge {float(sf_loss):.4f}, ours x count_j/(B*T) {float(approx):.4f}")
+        assert float(sf_loss) < float(our_loss)                 # the 1/(B*T) mean over a padded, partly masked batch
+        assert abs(float(sf_loss) - float(approx)) < 0.25 * float(sf_loss)  # what remains is the 2-token mask shift
