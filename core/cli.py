@@ -1,4 +1,5 @@
-"""The `eagle3` command: one subcommand per pipeline stage ([regenerate ->] dump -> vocab -> train -> export -> eval)."""
+"""The `eagle3` command: one subcommand per pipeline stage ([regenerate ->] dump -> vocab -> train -> export ->
+eval)."""
 
 from __future__ import annotations
 
@@ -129,8 +130,9 @@ def cmd_regenerate(a: argparse.Namespace) -> None:
                       api_key=a.api_key, concurrency=a.concurrency, timeout=a.timeout, retries=a.retries,
                       retry_backoff=a.retry_backoff, temperature=a.temperature, top_p=a.top_p,
                       max_new_tokens=a.max_new_tokens, seed=a.seed, num_samples=a.num_samples,
-                      max_turns=a.max_turns, max_prompt_tokens=a.max_prompt_tokens, reasoning=a.reasoning, dtype=a.dtype, device=a.device, batch_size=a.batch_size,
-                      batch_tokens=a.batch_tokens, progress=not a.no_progress,
+                      max_turns=a.max_turns, max_prompt_tokens=a.max_prompt_tokens, reasoning=a.reasoning,
+                      dtype=a.dtype, device=a.device, batch_size=a.batch_size, batch_tokens=a.batch_tokens,
+                      progress=not a.no_progress,
                       stop_after_batches=a.stop_after_batches)
     try:
         record = run_regenerate(cfg)
@@ -275,10 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quickstart", help="the whole pipeline on the embedded default (SmolLM2-135M + ShareGPT)")
     p.add_argument("--out", default=q.out)
     p.add_argument("--num-samples", type=int, default=None,
-                   help="conversations the target answers and the dump reads (default 320 on a CPU, 6000 on a GPU)")
+                   help="input conversations the target answers (those it can: default 400 on a CPU, 6000 on a GPU)")
     p.add_argument("--max-length", type=int, default=q.max_length, help="dump: tokens per conversation (GPU: 1024)")
     p.add_argument("--regen-max-new-tokens", type=int, default=None,
-                   help="regenerate: tokens per answer (default 160 on a CPU, 512 on a GPU)")
+                   help="regenerate: tokens per answer (default 96 on a CPU, 512 on a GPU)")
     p.add_argument("--temperature", type=float, default=q.temperature, help="regenerate: 0 = greedy")
     p.add_argument("--max-turns", type=int, default=q.max_turns, help="regenerate: assistant turns per conversation")
     p.add_argument("--train-steps", type=int, default=None, help="default: 500 on a CPU, 2000 on a GPU")

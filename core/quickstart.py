@@ -18,9 +18,9 @@ from dataclasses import dataclass
 @dataclass
 class QuickstartConfig:
     out: str = "runs/quickstart"
-    num_samples: int | None = None   # conversations regenerated and dumped; default 320 on a CPU, 6000 on a GPU
+    num_samples: int | None = None   # input conversations to regenerate; default 400 on a CPU, 6000 on a GPU
     max_length: int = 512            # dump: tokens per conversation; the GPU default is 1024
-    regen_max_new_tokens: int | None = None  # regenerate: tokens per answer; default 160 on a CPU, 512 on a GPU
+    regen_max_new_tokens: int | None = None  # regenerate: tokens per answer; default 96 on a CPU, 512 on a GPU
     temperature: float = 0.0         # regenerate: sampling temperature (0 = greedy, as greedy serving decodes)
     max_turns: int | None = 1        # regenerate: assistant turns per conversation (None = all)
     train_steps: int | None = None   # default: 500 on a CPU, 2000 on a GPU
@@ -75,8 +75,8 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     # eval checks losslessness token for token, so it runs in fp32 (a K+1-token verify forward and one-token decode
     # steps round differently in bf16 and can flip near-ties). Regeneration on a CPU runs fp32 (one-token decode
     # steps ran ~1.8x slower in bf16 there).
-    num_samples = q.num_samples or (6000 if on_gpu else 320)
-    regen_new = q.regen_max_new_tokens or (512 if on_gpu else 160)
+    num_samples = q.num_samples or (6000 if on_gpu else 400)
+    regen_new = q.regen_max_new_tokens or (512 if on_gpu else 96)
     max_length = q.max_length if not on_gpu or q.max_length != QuickstartConfig.max_length else 1024
     train_steps = q.train_steps or (2000 if on_gpu else 500)
     token_budget = q.token_budget or (8192 if on_gpu else 1024)

@@ -28,10 +28,10 @@ Output (--out):
 Resume: rerunning the same command regenerates exactly the samples that have no line in conversations.jsonl (read
 by sample_index), so errors are retried -- except the hf engine's ``answer`` errors: its generation is
 deterministic, so they would only come back, at the cost of their whole batch. Lines are appended one batch at a
-time (one write, then fsync); a partial last line left by a kill is dropped on restart. The hf engine's batches are planned over the whole input, independent
-of what is already done and of the world size, so a resumed or data-parallel run writes the same files as one
-uninterrupted process (exactly, for greedy decoding; with sampling, each generate call is seeded from
-(seed, first sample_index of the call, turn)).
+time (one write, then fsync); a partial last line left by a kill is dropped on restart. The hf engine's batches
+are planned over the whole input, independent of what is already done and of the world size, so a resumed or
+data-parallel run writes the same files as one uninterrupted process (exactly, for greedy decoding; with
+sampling, each generate call is seeded from (seed, first sample_index of the call, turn)).
 """
 
 from __future__ import annotations
@@ -169,14 +169,14 @@ def plan_conversation(messages: list[dict], max_turns: int | None = None) -> lis
     first = next((j for j, r in enumerate(roles) if r != "system"), None)
     if roles[first] == "assistant":
         return "starts_with_assistant", f"turn {first} is an assistant turn with no user turn before it"
+    answers = [j for j, r in enumerate(roles) if r == "assistant"]
+    last = answers[-1] if max_turns is None else answers[:max_turns][-1]
     prev = None
-    for j, r in enumerate(roles):
+    for j, r in enumerate(roles[:last + 1]):  # only the turns kept need to alternate
         if r == "assistant" and prev != "user":
             return "no_user_before_assistant", f"assistant turn {j} follows a {prev} turn, not a user turn"
         if r != "system":
             prev = r
-    answers = [j for j, r in enumerate(roles) if r == "assistant"]
-    last = answers[-1] if max_turns is None else answers[:max_turns][-1]
     # The originals' reasoning is replaced along with their content.
     return [{"role": m["role"], "content": m["content"]} for m in messages[:last + 1]]
 
@@ -386,7 +386,9 @@ def _prepare_out(cfg: RegenConfig, current: dict, skipped: list[dict]) -> set[in
 
 
 def _merge(out: str) -> tuple[list[dict], list[dict], list[dict]]:
-    """Rank 0 at the end: part files + final files -> sorted, de-duplicated final files. Returns the records."""
+    """Rank 0 at the end: part files + final files -> sorted, de-duplicated final files. Returns what the record
+    counts: per conversation its sample_index, finish_reasons and completion_tokens (not the messages), the error
+    and the skipped records."""
     convs: dict[int, str] = {}
     for path in [os.path.join(out, CONVERSATIONS), *_part_files(out, CONVERSATIONS)]:
         for si, line in _read_lines(path):
@@ -401,7 +403,9 @@ def _merge(out: str) -> tuple[list[dict], list[dict], list[dict]]:
     for path in _part_files(out, CONVERSATIONS) + _part_files(out, ERRORS):
         os.remove(path)
     skipped = [json.loads(line) for _, line in _read_lines(os.path.join(out, SKIPPED))]
-    return ([json.loads(convs[k]) for k in sorted(convs)], [json.loads(errs[k]) for k in sorted(errs)], skipped)
+    keys = ("sample_index", "finish_reasons", "completion_tokens")
+    stats = [{k: rec.get(k) for k in keys} for rec in (json.loads(convs[i]) for i in sorted(convs))]
+    return stats, [json.loads(errs[k]) for k in sorted(errs)], skipped
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -439,8 +443,8 @@ def build_record(cfg: RegenConfig, *, target: dict | None, tokenizer: dict | Non
                  servers: list[str] | None, inputs: list[dict], read: int, convs: list[dict], errors: list[dict],
                  skipped: list[dict], pending: int, elapsed: float, gen_s: float, run_tokens: int,
                  run_convs: int, engine: dict | None) -> dict:
-    finishes = [f for c in convs for f in c.get("finish_reasons", [])]
-    tokens = [t for c in convs for t in c.get("completion_tokens", [])]
+    finishes = [f for c in convs for f in c.get("finish_reasons") or []]
+    tokens = [t for c in convs for t in c.get("completion_tokens") or []]
     record = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         # incomplete: a rerun has work to do (conversations not attempted, or failed on the server)
@@ -479,8 +483,8 @@ def _summary(rec: dict, out: str) -> str:
              f"{c['generated_tokens']:,} tokens), {c['errors']} errors{detail(rec['errors'])}, {c['skipped']} "
              f"skipped{detail(rec['skipped'])}, {c['pending']} pending -> {os.path.join(out, CONVERSATIONS)}",
              f"[regenerate] this run: {r['conversations']} conversations, {r['generated_tokens']:,} tokens in "
-             f"{r['elapsed_s']:.1f} s (generating {r['generation_s']:.1f} s: {rate}); finish reasons {rec['finish_reasons'] or '{}'}, "
-             f"{c['truncated_answers']} truncated at --max-new-tokens"]
+             f"{r['elapsed_s']:.1f} s (generating {r['generation_s']:.1f} s: {rate}); finish reasons "
+             f"{rec['finish_reasons'] or '{}'}, {c['truncated_answers']} truncated at --max-new-tokens"]
     return "\n".join(lines)
 
 
@@ -874,9 +878,12 @@ def _validate(cfg: RegenConfig) -> None:
         raise ValueError(f"--temperature {cfg.temperature} must be >= 0 (0 = greedy)")
     if not 0 < cfg.top_p <= 1:
         raise ValueError(f"--top-p {cfg.top_p} must be in (0, 1]")
-    for name in ("max_new_tokens", "concurrency", "batch_size", "batch_tokens"):
-        if getattr(cfg, name) < 1:
+    for name in ("max_new_tokens", "concurrency", "batch_size", "batch_tokens", "max_turns", "max_prompt_tokens"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.servers and cfg.max_prompt_tokens is not None:
+        raise ValueError("--max-prompt-tokens is an --engine hf option (a server refuses prompts longer than its "
+                         "context itself: an 'answer' error)")
     if cfg.retries < 0 or cfg.timeout <= 0:
         raise ValueError("--retries must be >= 0 and --timeout > 0")
     if not cfg.data:
@@ -925,8 +932,9 @@ def run_regenerate(cfg: RegenConfig) -> dict:
         done = _prepare_out(cfg, current, skipped)
     else:  # rank 0's error is raised on every rank, so none waits in a collective
         done = D.broadcast_object(D.run_on_main(lambda: _prepare_out(cfg, current, skipped), world))
-    log(f"[regenerate] {read} conversations read: {len(items)} to regenerate ({len(done & {i.sample_index for i in items})} "
-        f"already done), {len(skipped)} skipped; {cfg.backend} backend, model {model}, temperature "
+    n_done = len(done & {i.sample_index for i in items})
+    log(f"[regenerate] {read} conversations read: {len(items)} to regenerate ({n_done} already done), "
+        f"{len(skipped)} skipped; {cfg.backend} backend, model {model}, temperature "
         f"{cfg.temperature:g}, top_p {cfg.top_p:g}, max_new_tokens {cfg.max_new_tokens}, reasoning {cfg.reasoning}")
 
     down: dict = {}
