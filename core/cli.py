@@ -101,7 +101,8 @@ def _add_regenerate(p: argparse.ArgumentParser) -> None:
     hf.add_argument("--batch-size", type=int, default=d.batch_size,
                     help="conversations per batch (grouped by prompt length inside fixed windows)")
     hf.add_argument("--batch-tokens", type=int, default=d.batch_tokens,
-                    help="at most this many (prompt + max-new-tokens) x rows per generate call")
+                    help="at most this many (prompt + max-new-tokens) x rows per generate call (rows are also "
+                         "split so that none is padded to more than twice its length)")
     gen = p.add_argument_group("sampling")
     gen.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling (1 = off)")

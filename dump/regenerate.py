@@ -569,11 +569,25 @@ def plan_batches(items: list[Item], batch_size: int) -> list[list[Item]]:
     return batches
 
 
+def generate_calls(lengths: list[int], budget: int, max_padding: float = 2.0) -> list[list[int]]:
+    """Rows (indices into lengths) per generate call: longest first, each call within `budget` padded tokens and
+    no row padded to more than `max_padding` x its own length -- one 3,500-token prompt among 30-token ones would
+    otherwise make every row of the call pay for 3,500 positions (prefill and KV cache). Depends on the lengths
+    only, so calls (and their seeds) are the same in every run."""
+    calls: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep row order
+        if calls and (len(calls[-1]) + 1) * lengths[calls[-1][0]] <= budget \
+                and lengths[i] * max_padding >= lengths[calls[-1][0]]:
+            calls[-1].append(i)
+        else:
+            calls.append([i])
+    return [sorted(c) for c in calls]
+
+
 def regenerate_batch(engine: HFEngine, batch: list[Item], cfg: RegenConfig, on_tokens=None
                      ) -> tuple[list[dict], list[dict], int]:
     """All assistant turns of a batch of conversations, turn by turn (answer k needs answer k-1):
     (conversation records, error records, generated tokens). on_tokens(n) after each generate call."""
-    from eagle3.batching import group_by_length
     rows = [Progress(it) for it in batch]
     tokens = 0
     for turn in range(max(sum(m["role"] == "assistant" for m in it.messages) for it in batch)):
@@ -597,8 +611,7 @@ def regenerate_batch(engine: HFEngine, batch: list[Item], cfg: RegenConfig, on_t
             active.append(r)
             prompts.append(ids)
         lengths = [len(p) + cfg.max_new_tokens for p in prompts]
-        for call in group_by_length(list(range(len(active))), lengths, cfg.batch_tokens):
-            call.sort()
+        for call in generate_calls(lengths, cfg.batch_tokens):
             first = min(active[i].item.sample_index for i in call)
             outs = engine.generate([prompts[i] for i in call], derive_seed(cfg.seed, first, turn))
             if on_tokens is not None:

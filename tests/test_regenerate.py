@@ -157,6 +157,20 @@ def test_engine_generate_is_token_exact_with_naive_greedy(word_target):
     assert finishes == {"stop", "length"}  # both endings occur in this set
 
 
+def test_generate_calls_bound_budget_and_padding():
+    from eagle3.dump.regenerate import generate_calls
+    g = torch.Generator().manual_seed(0)
+    lengths = [int(x) for x in torch.randint(20, 4000, (300,), generator=g)] + [4000] * 5
+    calls = generate_calls(lengths, budget=40000)
+    assert sorted(i for c in calls for i in c) == list(range(len(lengths)))
+    for c in calls:
+        longest = max(lengths[i] for i in c)
+        assert len(c) == 1 or len(c) * longest <= 40000
+        assert all(2 * lengths[i] >= longest for i in c)
+    assert max(len(c) for c in calls) > 10  # short rows do share calls
+    assert generate_calls(lengths, budget=40000) == calls
+
+
 def _naive_conversation(model, tok, messages, max_new):
     """Independent reference: each answer is the naive greedy continuation of the history written so far."""
     history, finishes, counts = [], [], []
@@ -422,6 +436,39 @@ def test_skipped_conversations_and_truncation(tmp_path):
         (4, ["system", "user", "assistant"]), (5, ["user", "user", "assistant"])]
     assert rec["skipped"] == {"empty": 1, "no_assistant": 1, "no_user_before_assistant": 1,
                               "starts_with_assistant": 2}
+
+
+def test_max_turns_and_max_prompt_tokens(word_target, chats, tmp_path):
+    items, _, _ = read_items([chats], None)
+    with fake_server() as url:
+        regen(chats, tmp_path / "one_turn", servers=[url], max_turns=1)
+        with pytest.raises(ValueError, match="--max-prompt-tokens is an --engine hf option"):
+            regen(chats, tmp_path / "x", servers=[url], max_prompt_tokens=10)
+    convs = read_jsonl(tmp_path / "one_turn" / CONVERSATIONS)
+    assert [[m["role"] for m in c["messages"]] for c in convs] == [
+        [m["role"] for m in it.messages[:next(j for j, m in enumerate(it.messages) if m["role"] == "assistant") + 1]]
+        for it in items]
+    with pytest.raises(ValueError, match="--max-turns must be >= 1"):
+        regen(chats, tmp_path / "x", word_target, max_turns=0)
+
+    from eagle3.dump.targets import load_tokenizer
+    tok = load_tokenizer(word_target)
+
+    def prompt_len(messages):
+        return len(tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"])
+
+    first = sorted(prompt_len(it.messages[:next(j for j, m in enumerate(it.messages) if m["role"] == "assistant")])
+                   for it in items)
+    limit = first[len(first) // 2]  # about half the first prompts are longer
+    rec = regen(chats, tmp_path / "short", word_target, max_prompt_tokens=limit)
+    errors = read_jsonl(tmp_path / "short" / ERRORS)
+    too_long = [e for e in errors if "exceeds --max-prompt-tokens" in e["error"]]
+    assert len(too_long) >= len(first) // 2 - 1 and all(e["kind"] == "answer" for e in too_long)
+    for c in read_jsonl(tmp_path / "short" / CONVERSATIONS):  # every prompt that was answered fits
+        for k, m in enumerate(c["messages"]):
+            if m["role"] == "assistant":
+                assert prompt_len(c["messages"][:k]) <= limit
+    assert rec["counts"]["conversations"] + rec["counts"]["errors"] == len(items)
 
 
 def test_server_retries_transient_errors(chats, tmp_path):
