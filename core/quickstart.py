@@ -146,8 +146,7 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     if os.path.isdir(export_dir):
         import shutil
         shutil.rmtree(export_dir)
-    has_best = os.path.isfile(os.path.join(run_dir, "checkpoints", "best", "drafter.safetensors"))
-    prov = export_drafter(run_dir, export_dir, step="best" if has_best else None)
+    prov = export_drafter(run_dir, export_dir, step="best" if train_result.get("best") else None)
     times["export"] = time.perf_counter() - t0
 
     _stage(6, N, "eval: speculative decoding on held-out prompts, checked against target-only greedy")
@@ -162,8 +161,7 @@ def run_quickstart(q: QuickstartConfig) -> dict:
 
     _stage(7, N, "summary")
     tot = manifest.totals
-    best = train_result.get("best") or {}
-    ev = _eval_row(run_dir, best.get("step")) or train_result.get("eval", {})
+    ev = train_result.get("best") or train_result.get("eval", {})  # the held-out record of the exported weights
     server = (f"python -m sglang.launch_server --model-path {os.path.abspath(target)} --speculative-algorithm EAGLE3 "
               f"--speculative-draft-model-path {os.path.abspath(export_dir)} --speculative-num-steps "
               f"{q.draft_steps} --speculative-eagle-topk 1 --speculative-num-draft-tokens {q.draft_steps + 1}"
@@ -202,11 +200,3 @@ def run_quickstart(q: QuickstartConfig) -> dict:
         json.dump(summary, f, indent=1, default=str)
     return summary
 
-
-def _eval_row(run_dir: str, step: int | None) -> dict | None:
-    """The held-out evaluation record of `step` in metrics.jsonl (the exported best checkpoint's)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if step is None or not os.path.isfile(path):
-        return None
-    rows = [json.loads(line) for line in open(path)]
-    return next((r for r in reversed(rows) if r.get("split") == "eval" and r["step"] == step), None)

@@ -24,10 +24,7 @@ import torch
 from tqdm import tqdm
 
 from eagle3.dump.capture import HiddenStateCapture
-from eagle3.train.acceptance import ChainStats
-
-
-SpecStats = ChainStats  # the round bookkeeping is shared with training's held-out walk (train/acceptance.py)
+from eagle3.train.acceptance import ChainStats  # one round bookkeeping for eval and training's replay
 
 
 def load_drafter_from_export(export_dir: str, target_embedding: torch.Tensor, dtype: torch.dtype,
@@ -78,9 +75,9 @@ class SpeculativeDecoder:
         return out_tokens, forwards
 
     @torch.no_grad()
-    def generate(self, prompt: list[int], max_new: int, K: int) -> tuple[list[int], SpecStats]:
+    def generate(self, prompt: list[int], max_new: int, K: int) -> tuple[list[int], ChainStats]:
         dr, dev = self.drafter, self.device
-        stats = SpecStats(K)
+        stats = ChainStats(K)
         with HiddenStateCapture(self.backbone, self.indices) as cap:
             ids = torch.tensor([prompt], device=dev)
             y, aux, tcache = self._target_forward(ids, None, cap)
@@ -187,7 +184,7 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     dec = SpeculativeDecoder(target, backbone, drafter, indices, eos)
     prompts = read_prompts(prompts_file, tokenizer, num_prompts)
 
-    total = SpecStats(draft_steps)
+    total = ChainStats(draft_steps)
     spec_time = base_time = 0.0
     base_forwards = base_tokens = 0
     mismatches = []
@@ -208,8 +205,8 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
         "target": os.path.abspath(target_dir), "export": os.path.abspath(export_dir), "prompts_file": prompts_file,
         "prompts": len(prompts), "draft_steps": draft_steps, "max_new_tokens": max_new_tokens,
         "capture_indices": indices, "dtype": dtype, "device": str(dev),
-        "acceptance_length": total.round_tokens / max(total.verify_steps, 1),
-        "acceptance_rate_per_position": [a / r if r else 0.0 for a, r in zip(total.accepted, total.reached)],
+        "acceptance_length": total.acceptance_length,
+        "acceptance_rate_per_position": total.rates,
         "verify_steps": total.verify_steps, "generated_tokens": total.new_tokens,
         "tokens_per_target_forward": total.new_tokens / max(total.target_forwards, 1),
         "baseline_tokens_per_target_forward": base_tokens / max(base_forwards, 1),

@@ -7,7 +7,8 @@ import shutil
 import pytest
 import torch
 
-from eagle3.eval.speculative import SpecStats, evaluate
+from eagle3.eval.speculative import evaluate
+from eagle3.train.acceptance import ChainStats
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def test_an_export_with_shifted_ids_accepts_clearly_less(word_target, distilled,
 
 
 def test_spec_stats_pooling():
-    s = SpecStats(3)
+    s = ChainStats(3)
     for n in (3, 0, 1, 3):
         s.add_round(n)
     assert s.verify_steps == 4 and s.round_tokens == (3 + 1) + 1 + 2 + 4

@@ -457,7 +457,7 @@ def train(cfg: TrainConfig) -> dict:
                 f"acceptance length {ev['decode_accept_len']:.3f}, rate by position "
                 f"{[round(a, 2) for a in ev['decode_rate_j']]}")
             if cfg.keep_best and (best is None or ev["decode_accept_len"] > best["decode_accept_len"]):
-                best = {"step": step, "decode_accept_len": ev["decode_accept_len"], "decode_steps": accept_k}
+                best = ev  # the whole held-out record (step, acc_j, decode_*): what the export is judged by
                 save_best(engine, run_dir, step, world, run_record, best)
             postfix["heldout_tau"] = f"{ev['decode_accept_len']:.2f}"  # the figure decoding will see
             bar.set_postfix(postfix)
