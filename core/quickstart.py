@@ -92,8 +92,9 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     regen = run_regenerate(RegenConfig(data=[source], out=regen_dir, target=target, engine="hf",
                                        temperature=q.temperature, max_new_tokens=regen_new, num_samples=num_samples,
                                        max_turns=q.max_turns, max_prompt_tokens=max_length // 2, device=q.device,
-                                       batch_size=512 if on_gpu else 64,
-                                       batch_tokens=(512 if on_gpu else 64) * (max_length // 2 + regen_new),
+                                       # GPU: continuous batching, a turn of 2048 conversations per call
+                                       batch_size=2048 if on_gpu else 64,
+                                       batch_tokens=64 * (max_length // 2 + regen_new),
                                        progress=q.progress))
     data = os.path.join(regen_dir, CONVERSATIONS)
     times["regenerate"] = time.perf_counter() - t0

@@ -56,6 +56,11 @@ RECORD_FILE = "regenerate.json"
 CONFIG_FILE = "regenerate_config.json"
 REASONING_MODES = ("keep", "strip", "disable")
 ENGINES = ("hf",)
+# How the hf engine batches: "padded" = model.generate over left-padded rows (exact and fast enough on the CPU);
+# "continuous" = transformers' continuous batching (model.generate_batch: paged KV cache, finished rows replaced
+# at once, CUDA graphs), which is what keeps a GPU busy when answers run from 5 to 512 tokens; "auto" picks
+# continuous on CUDA and padded elsewhere.
+BATCHING = ("auto", "padded", "continuous")
 # Conversations per planning window of the hf engine: sorted by prompt length inside it, then cut into batches.
 WINDOW_BATCHES = 8
 
@@ -88,7 +93,8 @@ class RegenConfig:
     dtype: str | None = None             # hf: default bf16 on GPU, fp32 on CPU
     device: str | None = None            # hf: default cuda if available
     batch_size: int = 64                 # hf: conversations per batch
-    batch_tokens: int = 262144           # hf: (prompt + max_new_tokens) x rows per generate call, at most
+    batch_tokens: int = 262144           # hf padded: (prompt + max_new_tokens) x rows per generate call, at most
+    batching: str = "auto"               # hf: auto | padded | continuous (see BATCHING)
     progress: bool = True
     stop_after_batches: int | None = None  # testing aid: stop after this many batches per rank (simulates a kill)
 
@@ -514,6 +520,7 @@ class HFEngine:
                              "config); answers would never stop")
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.stop_ids[0]
+        self.continuous = resolve_batching(cfg.batching, device) == "continuous"
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """Rendered like the dump renders (the template writes BOS itself), plus the generation prompt."""
@@ -534,6 +541,41 @@ class HFEngine:
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[tuple[list[int], str]]:
         """New tokens of each prompt (through its end-of-turn token) and "stop" or "length"."""
+        rows = self._generate_continuous(prompts, seed) if self.continuous else self._generate_padded(prompts, seed)
+        stops = set(self.stop_ids)
+        results = []
+        for row in rows:
+            end = next((j for j, t in enumerate(row) if t in stops), None)
+            results.append((row[:end + 1], "stop") if end is not None else (row[:self.cfg.max_new_tokens], "length"))
+        return results
+
+    def _generate_continuous(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        from transformers import ContinuousBatchingConfig
+        from transformers.utils import logging as hf_logging
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # its per-call warm-up and cache-sizing notes would flood the log
+        try:
+            if self.device.type == "cuda":  # cache sized from free GPU memory, CUDA graphs: transformers decides
+                cb = ContinuousBatchingConfig(seed=seed)
+            else:  # sized from the host's memory it would allocate (and zero) gigabytes: give it what the rows need
+                page = 32
+                blocks = sum(-(-(len(p) + self.cfg.max_new_tokens) // page) for p in prompts)
+                cb = ContinuousBatchingConfig(seed=seed, page_size=page, num_blocks=blocks + len(prompts),
+                                              max_batch_tokens=1024)
+            out = self.model.generate_batch(prompts, generation_config=self.generation_config(),
+                                            continuous_batching_config=cb, progress_bar=False)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        rows = list(out.values())
+        failed = [r for r in rows if r.error is not None]
+        if len(rows) != len(prompts) or failed:
+            # generate_batch logs and returns what it has; a lost row would silently become a missing sample
+            raise RuntimeError(f"continuous batching returned {len(rows)} of {len(prompts)} answers"
+                               + (f"; first error: {failed[0].error}" if failed else "")
+                               + " (--batching padded avoids it)")
+        return [list(r.generated_tokens) for r in rows]
+
+    def _generate_padded(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         import torch
         n = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), n), self.pad_id, dtype=torch.long)
@@ -546,16 +588,19 @@ class HFEngine:
             torch.manual_seed(seed)
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                       generation_config=self.generation_config())
-        stops = set(self.stop_ids)
-        results = []
-        for row in out[:, n:].tolist():
-            end = next((j for j, t in enumerate(row) if t in stops), None)
-            results.append((row[:end + 1], "stop") if end is not None else (row, "length"))
-        return results
+        return out[:, n:].tolist()
 
     def text(self, new_ids: list[int], finish: str) -> str:
         body = new_ids[:-1] if finish == "stop" else new_ids
         return self.tokenizer.decode(body, skip_special_tokens=True)
+
+
+def resolve_batching(batching: str, device) -> str:
+    if batching not in BATCHING:
+        raise ValueError(f"--batching {batching!r}: choose one of {', '.join(BATCHING)}")
+    if batching == "auto":
+        return "continuous" if device.type == "cuda" else "padded"
+    return batching
 
 
 def plan_batches(items: list[Item], batch_size: int) -> list[list[Item]]:
@@ -611,7 +656,10 @@ def regenerate_batch(engine: HFEngine, batch: list[Item], cfg: RegenConfig, on_t
             active.append(r)
             prompts.append(ids)
         lengths = [len(p) + cfg.max_new_tokens for p in prompts]
-        for call in generate_calls(lengths, cfg.batch_tokens):
+        # continuous batching packs rows itself (no padding): the whole turn is one call
+        calls = [list(range(len(prompts)))] if engine.continuous and prompts else \
+            generate_calls(lengths, cfg.batch_tokens)
+        for call in calls:
             first = min(active[i].item.sample_index for i in call)
             outs = engine.generate([prompts[i] for i in call], derive_seed(cfg.seed, first, turn))
             if on_tokens is not None:
@@ -930,7 +978,7 @@ def run_regenerate(cfg: RegenConfig) -> dict:
         cfg.dtype = str(T.DTYPES[cfg.dtype]).removeprefix("torch.")
         model = target["path"]
         engine_info = {"name": "hf", "dtype": cfg.dtype, "device": world.device.type, "batch_size": cfg.batch_size,
-                       "world_size": world.world_size}
+                       "batching": resolve_batching(cfg.batching, world.device), "world_size": world.world_size}
     is_main = world is None or world.is_main
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if is_main else (lambda *a: None)
     inputs = [{"file": os.path.abspath(p), "sha256": C.file_sha256(p) if os.path.isfile(p) else None}

@@ -136,11 +136,14 @@ def _stops(tok) -> set[int]:
 # hf engine
 # ----------------------------------------------------------------------------------------------------------
 
-def test_engine_generate_is_token_exact_with_naive_greedy(word_target):
-    """Left-padded batch + KV cache (model.generate) == unbatched, uncached argmax, token for token."""
+@pytest.mark.parametrize("batching", ["padded", "continuous"])
+def test_engine_generate_is_token_exact_with_naive_greedy(word_target, batching):
+    """Left-padded batch + KV cache (model.generate), and continuous batching with its paged cache
+    (model.generate_batch) == unbatched, uncached argmax, token for token."""
     from eagle3.dump.targets import load_target, load_tokenizer
-    cfg = RegenConfig(data=[], out="", max_new_tokens=14)
+    cfg = RegenConfig(data=[], out="", max_new_tokens=14, batching=batching)
     engine = HFEngine(word_target, torch.float32, torch.device("cpu"), cfg)
+    assert engine.continuous == (batching == "continuous")
     tok, model = load_tokenizer(word_target), load_target(word_target, torch.float32, torch.device("cpu"))
     assert set(engine.stop_ids) == _stops(tok)
     texts = ["the fox", "quick brown dogs jumps over the lazy wizards while seven", "hum", "a song about code",
@@ -190,9 +193,10 @@ def _naive_conversation(model, tok, messages, max_new):
     return {"messages": history, "finish_reasons": finishes, "completion_tokens": counts}
 
 
-def test_hf_multi_turn_greedy_equals_naive_conversations(word_target, chats, tmp_path):
+@pytest.mark.parametrize("batching", ["padded", "continuous"])
+def test_hf_multi_turn_greedy_equals_naive_conversations(word_target, chats, tmp_path, batching):
     from eagle3.dump.targets import load_target, load_tokenizer
-    rec = regen(chats, tmp_path / "out", word_target, batch_size=4, max_new_tokens=12)
+    rec = regen(chats, tmp_path / "out", word_target, batch_size=4, max_new_tokens=12, batching=batching)
     tok, model = load_tokenizer(word_target), load_target(word_target, torch.float32, torch.device("cpu"))
     items, skipped, read = read_items([chats], None)
     assert read == 10 and not skipped
@@ -222,6 +226,7 @@ def test_hf_multi_turn_greedy_equals_naive_conversations(word_target, chats, tmp
     assert rec["counts"]["conversations"] == len(convs) and rec["counts"]["errors"] == len(errors)
     assert rec["counts"]["assistant_turns"] == sum(len(c["finish_reasons"]) for c in convs.values())
     assert rec["status"] == "complete" and rec["engine"]["dtype"] == "float32"
+    assert rec["engine"]["batching"] == batching
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
