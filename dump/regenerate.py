@@ -56,10 +56,11 @@ RECORD_FILE = "regenerate.json"
 CONFIG_FILE = "regenerate_config.json"
 REASONING_MODES = ("keep", "strip", "disable")
 ENGINES = ("hf",)
-# How the hf engine batches: "padded" = model.generate over left-padded rows (exact and fast enough on the CPU);
-# "continuous" = transformers' continuous batching (model.generate_batch: paged KV cache, finished rows replaced
-# at once, CUDA graphs), which is what keeps a GPU busy when answers run from 5 to 512 tokens; "auto" picks
-# continuous on CUDA and padded elsewhere.
+# How the hf engine batches: "padded" = model.generate over left-padded rows; "continuous" = transformers'
+# continuous batching (model.generate_batch: paged KV cache, finished rows replaced at once). Measured on the
+# H200 (bench/quality.md, transformers 5.24 with SDPA, no flash-attn installed): continuous wrote 2048 first
+# answers of up to 512 tokens in ~4 minutes, padded batches of 512 wrote 2634 in 3 -- so "auto" means padded
+# everywhere until a faster continuous setup is measured; continuous stays available, token-exact with padded.
 BATCHING = ("auto", "padded", "continuous")
 # Conversations per planning window of the hf engine: sorted by prompt length inside it, then cut into batches.
 WINDOW_BATCHES = 8
@@ -599,7 +600,7 @@ def resolve_batching(batching: str, device) -> str:
     if batching not in BATCHING:
         raise ValueError(f"--batching {batching!r}: choose one of {', '.join(BATCHING)}")
     if batching == "auto":
-        return "continuous" if device.type == "cuda" else "padded"
+        return "padded"
     return batching
 
 
