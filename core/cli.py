@@ -168,7 +168,8 @@ def cmd_eval(a: argparse.Namespace) -> None:
     from eagle3.eval.speculative import evaluate
     target, _ = resolve_example(a.target, [])
     rep = evaluate(target, a.drafter, a.prompts, draft_steps=a.draft_steps, max_new_tokens=a.max_new_tokens,
-                   num_prompts=a.num_prompts, out=a.out, dtype=a.dtype, device=a.device)
+                   num_prompts=a.num_prompts, out=a.out, dtype=a.dtype, device=a.device,
+                   allow_foreign_export=a.allow_foreign_export)
     keys = ("acceptance_length", "acceptance_rate_per_position", "tokens_per_target_forward", "speedup", "lossless",
             "capture_indices", "prompts", "generated_tokens")
     print(json.dumps({k: rep[k] for k in keys}, indent=1))
@@ -304,13 +305,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="speculative decoding with the target and an exported drafter, as SGLang runs it")
     p.add_argument("--target", required=True, help="target model directory, or 'example'")
     p.add_argument("--drafter", required=True, help="export directory (from export-sglang)")
-    p.add_argument("--prompts", required=True, help="conversation file; the first user turn of each is a prompt")
+    p.add_argument("--prompts", required=True,
+                   help="conversations (ShareGPT / messages: the first user turn of each is a prompt) or MT-bench "
+                        "questions ({\"turns\": [...]}: the first turn of each is a prompt); .jsonl/.json/.parquet")
     p.add_argument("--draft-steps", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--out", default=None, help="write eval.json and acceptance.png here")
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--device", default=None)
+    p.add_argument("--allow-foreign-export", action="store_true",
+                   help="evaluate a drafter from elsewhere: an export without eagle3_provenance.json (its ids are "
+                        "read as the latest known SGLang release reads them for this target) or one whose ids "
+                        "disagree with its provenance (a warning instead of a refusal). Shapes, and the sha256 a "
+                        "provenance records, are checked regardless")
     p.set_defaults(fn=cmd_eval)
     _add_export_sglang(sub)
     return ap

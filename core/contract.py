@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
@@ -97,6 +98,17 @@ _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype",
                          "use_cache", "output_hidden_states", "return_dict", "_experts_implementation"}
 
 
+def read_json(path: str) -> dict:
+    """A JSON record file, or an error naming it (missing: FileNotFoundError; malformed: ContractError)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: not found")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ContractError(f"{path}: not valid JSON ({e})") from e
+
+
 def config_hash(config_dict: dict) -> str:
     """Hash of the architecture-defining part of a target config (stable across save location and dtype)."""
     def clean(d):
@@ -158,6 +170,9 @@ class DumpManifest:
     # Data files written by `eagle3 regenerate`: file, sha256, and who wrote them (backend, model, sampling,
     # target identity). Provenance only: not part of identity(), so such dumps mix with others.
     data_sources: list[dict] = field(default_factory=list)
+    # What the dump read (see data_fingerprint): {"sha256", "files": [{"file", "sha256", "first_sample_index"}]}.
+    # Not part of identity() either: dumps of different data mix; {} in dumps made before it was recorded.
+    data_fingerprint: dict = field(default_factory=dict)
     format: str = DUMP_FORMAT
     format_version: int = DUMP_FORMAT_VERSION
 
@@ -184,7 +199,7 @@ class DumpManifest:
                     tokenizer=TokenizerInfo(**d["tokenizer"]), dtype=d["dtype"], max_length=d["max_length"],
                     tp_size=d["tp_size"], dp_size=d["dp_size"], shards=[ShardRecord(**s) for s in d["shards"]],
                     skipped=d.get("skipped", {}), data_files=d.get("data_files", []),
-                    data_sources=d.get("data_sources", []))
+                    data_sources=d.get("data_sources", []), data_fingerprint=d.get("data_fingerprint", {}))
         except (KeyError, TypeError) as e:
             raise ContractError(f"{source}: malformed manifest ({e})") from e
         validate_indices(m.capture.hidden_state_indices, m.target.num_hidden_layers)
@@ -204,6 +219,49 @@ class DumpManifest:
 
 
 MANIFEST_FILE = "manifest.json"
+
+# ------------------------------------------------------------------------------------ what a shard says it is
+#
+# Each shard carries its own identity in its safetensors metadata (one JSON string under SHARD_METADATA_KEY), so
+# a shard can be checked against the run resuming into its directory and against the manifest that lists it,
+# without trusting either. Shards written before these keys existed hold only the LEGACY_SHARD_KEYS.
+
+SHARD_METADATA_KEY = "eagle3"
+LEGACY_SHARD_KEYS = ("format", "format_version", "hidden_state_indices", "target_config_sha256")
+DATA_SHA256 = "data.sha256"   # data_fingerprint()["sha256"] of the dump's input
+PLAN_SHA256 = "plan.sha256"   # the shard plan (which samples in which shard): same data + arguments
+SHARD_INDEX = "shard"         # j of shard-<j>
+
+
+def data_fingerprint(files: Sequence[tuple[str, str, int | None]]) -> dict:
+    """(path, sha256, first sample_index or None when never read) per data file, in --data order -> the
+    manifest's data_fingerprint. Its sha256 ignores paths: the same bytes moved elsewhere are the same data.
+    A sample's identity across dumps is (its file's sha256, sample_index - that file's first_sample_index)."""
+    rows = [{"file": f, "sha256": h, "first_sample_index": k} for f, h, k in files]
+    return {"sha256": sha256_bytes(canonical_json([[r["sha256"], r["first_sample_index"]] for r in rows])),
+            "files": rows}
+
+
+def shard_identity(manifest: "DumpManifest", plan_sha256: str | None = None) -> dict:
+    """The metadata every shard of this dump must carry (less SHARD_INDEX, which differs per shard). Without
+    plan_sha256 (a reader: the manifest does not record the plan) that key is left out."""
+    ident = {"format": DUMP_FORMAT, "format_version": DUMP_FORMAT_VERSION,
+             "hidden_state_indices": list(manifest.capture.hidden_state_indices),
+             "target_config_sha256": manifest.target.config_sha256, **manifest.identity(),
+             "dtype": manifest.dtype, DATA_SHA256: manifest.data_fingerprint.get("sha256")}
+    if plan_sha256 is not None:
+        ident[PLAN_SHA256] = plan_sha256
+    return ident
+
+
+def is_legacy_shard(meta: dict) -> bool:
+    """A shard written before shards carried their own identity (only LEGACY_SHARD_KEYS)."""
+    return DATA_SHA256 not in meta
+
+
+def check_shard_identity(meta: dict, expected: dict, shard: str, expected_from: str) -> None:
+    """ContractError naming every key of `expected` that the shard's metadata does not match."""
+    require_same_capture({k: meta.get(k) for k in expected}, expected, shard, expected_from)
 
 
 def load_manifest(dump_dir: str) -> DumpManifest:

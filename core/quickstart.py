@@ -137,8 +137,14 @@ def run_quickstart(q: QuickstartConfig) -> dict:
         fields["lr"] = q.lr
     fields["ttt_steps"] = q.ttt_steps or (fields.get("ttt_steps", 7) if on_gpu else q.draft_steps)
     if fields["resume"]:
-        print("[quickstart] a finished training run is already there; resuming it (nothing left to do if done)",
+        print("[quickstart] a training run is already there; resuming it (nothing left to do if done)",
               file=sys.stderr)
+    elif os.path.isdir(run_dir):
+        # A run killed before its first checkpoint: `eagle3 train` refuses a fresh run into a used folder (its
+        # metrics would mix), and this folder is the quickstart's own with nothing resumable in it.
+        import shutil
+        print(f"[quickstart] {run_dir} holds no checkpoint: starting its training afresh", file=sys.stderr)
+        shutil.rmtree(run_dir)
     train_result = train(TrainConfig(**fields))
     times["train"] = time.perf_counter() - t0
 

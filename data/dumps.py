@@ -3,10 +3,15 @@
 Shards are opened with safetensors' `safe_open` (memory-mapped); a sample is a slice of each token-major tensor,
 read without touching the rest of the shard. Each manifest is validated and each shard's size and sha256 are
 checked on first open; dumps whose target, capture indices, hidden size or tokenizer differ are refused.
+Each shard's own metadata and tensor names must agree with the manifest that lists it (a manifest edited to claim
+other layers is refused here, not in a loader worker), and no sample may come twice: a dump listed twice, or two
+dumps holding the same record of the same data file, are refused.
 """
 
 from __future__ import annotations
 
+import bisect
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -19,6 +24,9 @@ from tqdm import tqdm
 from eagle3 import contract as C
 from eagle3.contract import ContractError, DumpManifest
 from eagle3.data.standardize import standardize_data_v1
+from eagle3.dump.shards import read_shard_metadata
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,13 @@ class DumpSet:
         self.dirs = [dirs] if isinstance(dirs, str) else list(dirs)
         if not self.dirs:
             raise ValueError("no dump directories given")
+        seen: dict[str, str] = {}
+        for d in self.dirs:
+            real = os.path.realpath(d)
+            if real in seen:
+                raise ContractError(f"dump {d} is listed twice ({seen[real]!r} and {d!r}): every sample would "
+                                    "count twice")
+            seen[real] = d
         self.manifests: list[DumpManifest] = [C.load_manifest(d) for d in self.dirs]
         first = self.manifests[0].identity()
         for d, m in zip(self.dirs[1:], self.manifests[1:]):
@@ -44,18 +59,42 @@ class DumpSet:
         if verify:
             self.verify(progress=progress)
         self.refs: list[SampleRef] = []
+        self.legacy: list[str] = []  # dumps whose shards predate per-shard identity (see _check_shard)
         for di, (d, m) in enumerate(zip(self.dirs, self.manifests)):
+            plans = set()
             for si, rec in enumerate(m.shards):
                 path = os.path.join(d, rec.file)
                 with safe_open(path, "pt") as f:
                     offsets = f.get_tensor(C.SAMPLE_OFFSETS).tolist()
                     index = f.get_tensor(C.SAMPLE_INDEX).tolist()
+                    plans.add(_check_shard(path, si, sorted(f.keys()), m, os.path.join(d, C.MANIFEST_FILE)))
                 if len(index) != rec.samples or offsets[-1] != rec.tokens:
                     raise ContractError(f"{path}: holds {len(index)} samples / {offsets[-1]} tokens, the manifest "
                                         f"says {rec.samples} / {rec.tokens}")
                 self.refs += [SampleRef(di, si, offsets[n], offsets[n + 1] - offsets[n], index[n])
                               for n in range(len(index))]
+            if len(plans) > 1:  # e.g. an old run's shards adopted by a new one, or legacy and new shards
+                raise ContractError(f"{d}: its shards come from {len(plans)} different dump runs (shard plans "
+                                    f"{sorted(map(str, plans))}): not one dump; re-dump into a new directory")
+            if None in plans:
+                self.legacy.append(d)
+                logger.warning("%s: shards written before eagle3 recorded their identity: capture indices and "
+                               "target are checked against the manifest, tokenizer, dtype and data are not", d)
         self._handles: dict = {}
+        self._refuse_shared_samples()
+
+    def _refuse_shared_samples(self) -> None:
+        """Two dumps must not hold the same sample: training would count it twice. A sample is named by its data
+        file's sha256 and its record in that file (so [a, b] and [b] dumps overlap on b, whatever the paths)."""
+        keys = [_sample_key(m) for m in self.manifests]
+        owner: dict = {}
+        for r in self.refs:
+            prev = owner.setdefault(keys[r.dump](r.sample_index), r)
+            if prev.dump != r.dump:
+                raise ContractError(
+                    f"dumps {self.dirs[prev.dump]} and {self.dirs[r.dump]} hold the same samples (e.g. "
+                    f"{self.where(prev)} and {self.where(r)}: the same record of the same data file): training "
+                    "would count them twice; give one of them, or dumps of disjoint data")
 
     @property
     def manifest(self) -> DumpManifest:
@@ -115,6 +154,42 @@ class DumpSet:
         state = dict(self.__dict__)
         state["_handles"] = {}
         return state
+
+
+def _check_shard(path: str, position: int, keys: list[str], m: DumpManifest, manifest_path: str) -> str | None:
+    """The shard's own metadata and tensor names against the manifest listing it; returns its plan hash (None
+    for a legacy shard).
+
+    Legacy shards (written before shards recorded tokenizer, dtype, data and plan) are read, not refused: what
+    silently ruins a drafter -- other capture indices, another target -- is still checked (their metadata has
+    both, their tensor names show the indices), re-dumping a large target costs GPU-days, and a resumed run
+    refuses to write into such a dump (dump.shards.finished_shard), so nothing new gets mixed into one."""
+    held = sorted(int(k[len(C.HIDDEN_PREFIX):]) for k in keys if k.startswith(C.HIDDEN_PREFIX))
+    if held != list(m.capture.hidden_state_indices):
+        raise ContractError(f"{path} holds hidden states {held}, but {manifest_path} claims "
+                            f"{m.capture.hidden_state_indices}: the manifest does not describe its shards")
+    meta = read_shard_metadata(path)
+    expected = C.shard_identity(m)
+    if C.is_legacy_shard(meta):
+        expected = {k: v for k, v in expected.items() if k in C.LEGACY_SHARD_KEYS}
+    else:
+        expected[C.SHARD_INDEX] = position
+    C.check_shard_identity(meta, expected, path, manifest_path)
+    return meta.get(C.PLAN_SHA256)
+
+
+def _sample_key(m: DumpManifest):
+    """sample_index -> the name of that sample across dumps: (data file sha256, record in that file)."""
+    files = [r for r in m.data_fingerprint.get("files", []) if r["first_sample_index"] is not None]
+    if not files:  # legacy dump: no data fingerprint; the same --data paths is the best it records
+        paths = tuple(m.data_files)
+        return lambda si: (paths, si)
+    starts = [r["first_sample_index"] for r in files]
+
+    def key(si: int) -> tuple:
+        r = files[bisect.bisect_right(starts, si) - 1]
+        return r["sha256"], si - r["first_sample_index"]
+    return key
 
 
 def _mix64(x: int) -> int:

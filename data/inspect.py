@@ -19,8 +19,10 @@ def inspect_dump(path: str, verify: bool = True, vocab_sizes=(8192, 16384, 32000
                     "totals": m.totals, "skipped": m.skipped,
                     "bytes_per_token": m.totals["bytes"] / max(m.totals["tokens"], 1)}
     try:
-        ds = DumpSet(path, verify=verify)
+        ds = DumpSet(path, verify=verify)  # also checks every shard's own metadata against the manifest
         report["verified"] = "sha256 ok" if verify else "not checked (--no-verify)"
+        report["shard_identity"] = ("legacy: shards predate per-shard identity (capture indices and target "
+                                    "checked; tokenizer, dtype and data not)" if ds.legacy else "ok")
     except C.ContractError as e:
         report["verified"] = f"FAILED: {e}"
         return report
@@ -56,6 +58,8 @@ def render(report: dict) -> str:
         f"skipped     {tot['skipped']:,} {report['skipped'] or ''}",
         f"verified    {report['verified']}",
     ]
+    if "shard_identity" in report:
+        lines.append(f"shards      identity {report['shard_identity']}")
     if "draft_vocab_coverage" in report:
         cov = ", ".join(f"{n}: {c:.1%}" for n, c in report["draft_vocab_coverage"].items())
         lines.append(f"draft vocab coverage of {report['loss_tokens']:,} loss tokens  {cov}")

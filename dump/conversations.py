@@ -136,11 +136,13 @@ def _nonblank_line_numbers(path: str) -> array:
 def _locate_json_error(path: str) -> None:
     """Raise a DataError naming the first malformed line (JSON lines) or position (JSON array)."""
     if _first_nonspace_byte(path) == b"[":
+        with open(path, "rb") as f:
+            raw = f.read()
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+            data = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not valid UTF-8 ({e})") from None
+            line = raw.count(b"\n", 0, e.start) + 1
+            raise DataError(f"{path}:{line}: not valid UTF-8 (byte {e.start}: {e.reason})") from None
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
         for k, rec in enumerate(data):
@@ -212,8 +214,14 @@ def _iter_records(path: str) -> Iterator[tuple[str, Any]]:
         lines = _nonblank_line_numbers(path)
         if len(lines) != n:  # e.g. one pretty-printed object: no line <-> record correspondence
             lines = None
-    for k, rec in enumerate(ds):
-        yield (f"{path}:{lines[k]}" if lines is not None else f"{path}:record {k}"), rec
+    try:
+        for k, rec in enumerate(ds):
+            yield (f"{path}:{lines[k]}" if lines is not None else f"{path}:record {k}"), rec
+    except UnicodeDecodeError:
+        # datasets (pyarrow) reads bytes that are not UTF-8 and fails only on the row, naming neither file nor
+        # line: find the culprit ourselves (raises a DataError naming both).
+        _locate_json_error(path)
+        raise
 
 
 def _describe(x: Any) -> str:
@@ -281,14 +289,18 @@ def normalize_record(record: Any, origin: str) -> list[dict]:
     return out
 
 
-def read_conversations(paths: list[str]) -> Iterator[tuple[int, str, list[dict]]]:
+def read_conversations(paths: list[str], file_starts: list[int] | None = None
+                       ) -> Iterator[tuple[int, str, list[dict]]]:
     """Yield (sample_index, origin, messages) with messages normalised to
     [{"role": "system"|"user"|"assistant", "content": str}].
 
     sample_index runs over all records of all files in order (records later skipped still use one).
-    origin is 'data.jsonl:17' (1-based line) or 'data.parquet:record 17' (0-based record)."""
+    origin is 'data.jsonl:17' (1-based line) or 'data.parquet:record 17' (0-based record).
+    file_starts, if given, receives the sample_index of each file's first record as the file is reached."""
     index = 0
     for path in _as_path_list(paths):
+        if file_starts is not None:
+            file_starts.append(index)
         for origin, record in _iter_records(path):
             yield index, origin, normalize_record(record, origin)
             index += 1
@@ -450,10 +462,11 @@ def render_and_mask(tokenizer, messages: list[dict], max_length: int | None) -> 
     return _render_and_mask(tokenizer, messages, max_length)
 
 
-def load_samples(paths, tokenizer, max_length=None, num_samples=None, progress=True
+def load_samples(paths, tokenizer, max_length=None, num_samples=None, progress=True, file_starts=None
                  ) -> tuple[list[TokenizedSample], collections.Counter]:
     """Read + tokenize. Returns the kept samples in source order and a Counter of skipped records by reason
-    (see SKIP_REASONS). num_samples caps the number of kept samples. DataError on malformed input."""
+    (see SKIP_REASONS). num_samples caps the number of kept samples. DataError on malformed input.
+    file_starts: as in read_conversations (files never reached get no entry)."""
     from tqdm.auto import tqdm
 
     _check_tokenizer(tokenizer)
@@ -466,7 +479,7 @@ def load_samples(paths, tokenizer, max_length=None, num_samples=None, progress=T
     first_detail: dict[str, str] = {}
     bar = tqdm(total=num_samples, unit="conv", desc="tokenizing", disable=not progress, dynamic_ncols=True)
     try:
-        for index, origin, messages in read_conversations(paths):
+        for index, origin, messages in read_conversations(paths, file_starts):
             try:
                 input_ids, loss_mask = _render_and_mask(tokenizer, messages, max_length, stats)
             except SkipSample as e:

@@ -50,6 +50,29 @@ class DumpConfig:
     stop_after_shards: int | None = None  # testing aid: exit after writing this many shards (simulates a kill)
     allow_foreign_data: bool = False     # dump data that `eagle3 regenerate` wrote with another target anyway
 
+    def __post_init__(self):
+        # Checked here, not in the CLI: `python -m eagle3.dump` under torchrun and library callers get the same
+        # refusals, before anything loads (else: a ZeroDivisionError for tp=0, a misleading "does not divide"
+        # for tp<0, every sample "skipped" for max_length<0, the default layers for an empty --layers).
+        def positive(flag, v, kind=int, optional=False):
+            if optional and v is None:
+                return
+            if not isinstance(v, kind) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"{flag} {v!r}: must be a positive {'integer' if kind is int else 'number'}")
+        positive("--tp", self.tp)
+        positive("--max-length", self.max_length, optional=True)
+        positive("--batch-tokens", self.batch_tokens)
+        positive("--num-samples", self.num_samples, optional=True)
+        positive("--shard-size-mb", self.shard_size_mb, kind=(int, float))
+        positive("--stop-after-shards", self.stop_after_shards, optional=True)
+        if self.layers is not None and not self.layers:
+            raise ContractError("--layers names no index (leave it out for the default capture set)")
+        if self.dtype not in T.DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: choose one of {sorted(T.DTYPES)}")
+        if isinstance(self.data, (str, os.PathLike)) or not self.data:
+            raise ValueError(f"--data: expected a list of data files, got {self.data!r}")
+        self.data = [os.fspath(p) for p in self.data]  # recorded in dump_config.json
+
 
 def plan_shards(lengths: list[int], bytes_per_token: int, shard_bytes: int) -> list[list[int]]:
     """Consecutive samples, each shard under shard_bytes (a single larger sample gets its own shard)."""
@@ -143,8 +166,11 @@ class _ToHost:
         return host, ev
 
 
-def _check_out_dir(out: str, identity: dict, plan_hash: str, cfg: DumpConfig) -> str | None:
-    """Rank 0: make OUT, refuse a different dump already there. Returns an error message or None."""
+def _prepare_out_dir(out: str, manifest: DumpManifest, plan_hash: str, shard_meta: dict, n_shards: int,
+                     cfg: DumpConfig, log) -> tuple[str | None, set[int]]:
+    """Rank 0: make OUT and refuse a different dump already there -- by its dump_config.json and by every finished
+    shard's own metadata (either may be missing or stale) -- before writing anything; then remove what a killed
+    run left. Returns (error message or None, the finished shards)."""
     try:
         os.makedirs(out, exist_ok=True)
         probe = os.path.join(out, f".write-probe-{os.getpid()}")
@@ -152,37 +178,53 @@ def _check_out_dir(out: str, identity: dict, plan_hash: str, cfg: DumpConfig) ->
             f.write("ok")
         os.remove(probe)
     except OSError as e:
-        return f"--out {out} is not writable: {e}"
+        return f"--out {out} is not writable: {e}", set()
+    identity, data = manifest.identity(), manifest.data_fingerprint
     path = os.path.join(out, DUMP_CONFIG)
-    record = {"identity": identity, "plan_sha256": plan_hash,
+    record = {"identity": identity, "plan_sha256": plan_hash, "data": data,
               "args": {"data": cfg.data, "max_length": cfg.max_length, "num_samples": cfg.num_samples,
                        "dtype": cfg.dtype, "shard_size_mb": cfg.shard_size_mb}}
+    old = None
     if os.path.isfile(path):
         with open(path) as f:
             old = json.load(f)
         try:
             C.require_same_capture(old["identity"], identity, f"the dump already in {out}", "this run")
         except ContractError as e:
-            return f"{e}\nrefusing to mix them: use a new --out"
+            return f"{e}\nrefusing to mix them: use a new --out", set()
+        if "data" not in old:
+            return (f"{path} was written by an eagle3 that did not fingerprint the data: a resumed run cannot tell "
+                    "whether the data changed; use a new --out"), set()
+        was = [r["sha256"] for r in old["data"]["files"]]
+        if was != [r["sha256"] for r in data["files"]]:
+            changed = [r["file"] for k, r in enumerate(data["files"]) if k >= len(was) or was[k] != r["sha256"]]
+            return (f"the data changed since the dump in {out} started: {changed or cfg.data} no longer hold the "
+                    "bytes it read; resuming would mix old and new samples: use a new --out"), set()
         if old.get("plan_sha256") != plan_hash:
             return (f"{out} holds a dump of different data or arguments ({old.get('args')}); "
                     f"resuming needs the same --data/--max-length/--num-samples/--dtype/--shard-size-mb "
-                    "(and --no-record-argmax for a dump started without target_argmax), or use a new --out")
-        return None
-    S.atomic_write_text(path, json.dumps(record, indent=1))
-    return None
+                    "(and --no-record-argmax for a dump started without target_argmax), or use a new --out"), set()
+    try:
+        finished = {j for j in range(n_shards) if S.finished_shard(out, j, shard_meta)}
+    except ContractError as e:
+        return str(e), set()
+    if old is None:
+        S.atomic_write_text(path, json.dumps(record, indent=1))
+    stale = S.remove_stale_tmp(out)  # no writer of this dump runs yet: the other ranks wait for this answer
+    if stale:
+        log(f"[dump] removed {len(stale)} temporary files a killed run left in {out}: {stale[:4]}"
+            f"{' ...' if len(stale) > 4 else ''}")
+    return None, finished
 
 
 def run_dump(cfg: DumpConfig) -> DumpManifest:
     from eagle3.dump.conversations import load_samples
 
-    # Everything that can be refused is refused before the model loads.
-    if cfg.dtype not in T.DTYPES:
-        raise ValueError(f"--dtype {cfg.dtype!r}: choose one of {sorted(T.DTYPES)}")
+    # Everything that can be refused is refused before the model loads (the arguments: DumpConfig itself).
     dtype = T.DTYPES[cfg.dtype]
     info = T.target_info(cfg.target)
-    indices = C.validate_indices(cfg.layers if cfg.layers else C.default_capture_indices(info.num_hidden_layers),
-                                 info.num_hidden_layers)
+    indices = C.validate_indices(cfg.layers if cfg.layers is not None
+                                 else C.default_capture_indices(info.num_hidden_layers), info.num_hidden_layers)
     T.check_tp_divisibility(T.read_config(cfg.target), cfg.tp, f"{cfg.target}/config.json")
     world = D.init_world(cfg.device)
     if world.world_size % cfg.tp:
@@ -201,8 +243,14 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
     log(f"[dump] target {info.architecture} L={info.num_hidden_layers} H={info.hidden_size}; capturing "
         f"{C.describe(indices)} + post-norm final state; world {world.world_size} = dp {dp} x tp {tp}")
 
+    file_starts: list[int] = []
     samples, skipped = load_samples(cfg.data, tokenizer, max_length=cfg.max_length, num_samples=cfg.num_samples,
-                                    progress=cfg.progress and world.is_main)
+                                    progress=cfg.progress and world.is_main, file_starts=file_starts)
+    # The data's bytes: a resumed run compares content, not only the lengths the plan hash covers (an edit in
+    # place keeps them); and across dumps, (file sha256, record) names a sample (data.dumps refuses repeats).
+    manifest.data_fingerprint = C.data_fingerprint(
+        [(f, C.file_sha256(f), file_starts[i] if i < len(file_starts) else None)
+         for i, f in enumerate(manifest.data_files)])
     manifest.skipped = dict(sorted(skipped.items()))
     if not samples:
         raise ValueError(f"no usable conversations in {cfg.data} (skipped: {dict(skipped)})")
@@ -215,10 +263,11 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
         [[samples[i].sample_index for i in sh] for sh in plan] + [lengths, cfg.dtype]
         + ([C.TARGET_ARGMAX] if cfg.record_argmax else [])))  # without it: the same hash as dumps made before it
 
-    D.fail_together(_check_out_dir(cfg.out, manifest.identity(), plan_hash, cfg) if world.is_main else None,
-                    ContractError)
-    finished = D.broadcast_object({j for j in range(len(plan)) if S.finished_shard(cfg.out, j)}
-                                  if world.is_main else None)
+    shard_meta = C.shard_identity(manifest, plan_hash)
+    err, finished = D.broadcast_object(_prepare_out_dir(cfg.out, manifest, plan_hash, shard_meta, len(plan), cfg, log)
+                                       if world.is_main else None)
+    if err:
+        raise ContractError(err)
     mine = [j for j in range(len(plan)) if j % dp == dp_rank]
     todo = [j for j in mine if j not in finished]
     log(f"[dump] {len(samples)} samples, {sum(lengths)} tokens in {len(plan)} shards; "
@@ -234,9 +283,7 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
         with HiddenStateCapture(backbone, indices, head=head) as cap:
             probe = torch.as_tensor([samples[0].input_ids[:8]], device=device)
             verify_full_width(cap.run(probe, torch.ones_like(probe)), info.hidden_size, tuple(probe.shape))
-            meta = {"format": C.DUMP_FORMAT, "format_version": C.DUMP_FORMAT_VERSION,
-                    "hidden_state_indices": indices, "target_config_sha256": info.config_sha256}
-            writer = _Writer(cfg.out, indices, meta, device) if writer_rank else None
+            writer = _Writer(cfg.out, indices, shard_meta, device) if writer_rank else None
             bar = tqdm(total=sum(lengths[i] for j in mine for i in plan[j]), unit="tok", unit_scale=True,
                        desc=f"dump dp{dp_rank}", disable=not (cfg.progress and world.is_main), dynamic_ncols=True)
             bar.update(sum(lengths[i] for j in mine if j in finished for i in plan[j]))
@@ -275,7 +322,7 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
 
     D.barrier()
     if world.is_main:
-        records = [S.finished_shard(cfg.out, j) for j in range(len(plan))]
+        records = [S.finished_shard(cfg.out, j, shard_meta) for j in range(len(plan))]
         missing = [S.shard_name(j) for j, r in enumerate(records) if r is None]
         if missing:
             raise RuntimeError(f"{cfg.out}: shards {missing} were not written")

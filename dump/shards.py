@@ -8,8 +8,9 @@ streamed from the per-sample tensors: no concatenated copy of the shard, and the
 thread from the same buffers while the first writes them, so the hash costs no pass of its own.
 
 A shard is written to a temporary name and renamed; then a small sidecar `shard-XXXXX.json` (its ShardRecord) is
-renamed into place. A shard counts as finished only when its sidecar exists, so a killed run leaves at most a
-temporary file, which the rerun replaces.
+renamed into place. A shard counts as finished only when its sidecar exists and its own metadata (contract
+`shard_identity`: target, capture indices, tokenizer, dtype, data and shard plan) is what the resuming run would
+write; a killed run leaves at most temporary files, which the rerun removes (`remove_stale_tmp`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import struct
 import threading
 from dataclasses import asdict
@@ -28,7 +30,9 @@ from eagle3 import contract as C
 from eagle3.contract import ShardRecord
 
 
-SHARD_METADATA_KEY = "eagle3"
+SHARD_METADATA_KEY = C.SHARD_METADATA_KEY
+# What `tmp_name` makes of the files a dump writes (shards, sidecars, dump_config.json, manifest.json).
+_STALE_TMP = re.compile(r"^(shard-\d{5}\.(safetensors|json)|dump_config\.json|manifest\.json)\.tmp-\d+$")
 
 
 def shard_name(j: int) -> str:
@@ -39,8 +43,21 @@ def sidecar_name(j: int) -> str:
     return f"shard-{j:05d}.json"
 
 
+def tmp_name(path: str) -> str:
+    return f"{path}.tmp-{os.getpid()}"
+
+
+def remove_stale_tmp(out_dir: str) -> list[str]:
+    """Remove the temporary files a killed dump left in out_dir (only names this module writes); returns them.
+    Call it only while no writer of this dump runs."""
+    stale = sorted(n for n in os.listdir(out_dir) if _STALE_TMP.match(n))
+    for n in stale:
+        os.remove(os.path.join(out_dir, n))
+    return stale
+
+
 def atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = tmp_name(path)
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
@@ -134,7 +151,8 @@ def write_shard(out_dir: str, j: int, samples: list[dict], indices: list[int], m
         tensors[C.TARGET_ARGMAX] = [torch.as_tensor(s["target_argmax"], dtype=torch.int32) for s in samples]
     tensors[C.LOSS_MASK] = [torch.as_tensor(s["loss_mask"], dtype=torch.uint8) for s in samples]
     path = os.path.join(out_dir, shard_name(j))
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = tmp_name(path)
+    meta = dict(meta, **{C.SHARD_INDEX: j})
     # One metadata key, and a header written by us in a fixed order: identical runs give identical bytes.
     sha = write_safetensors(tmp, tensors, {SHARD_METADATA_KEY: json.dumps(meta, sort_keys=True)})
     os.replace(tmp, path)
@@ -144,8 +162,21 @@ def write_shard(out_dir: str, j: int, samples: list[dict], indices: list[int], m
     return rec
 
 
-def finished_shard(out_dir: str, j: int) -> ShardRecord | None:
-    """The shard's record if it was completed (sidecar present and file size matches), else None."""
+def read_shard_metadata(path: str) -> dict:
+    """The eagle3 metadata of a shard (a header read only), or ContractError naming the file."""
+    from safetensors import safe_open
+    try:
+        with safe_open(path, "pt") as f:
+            return json.loads((f.metadata() or {})[SHARD_METADATA_KEY])
+    except Exception as e:  # safetensors' own errors, KeyError, JSONDecodeError: all mean "not a shard"
+        raise C.ContractError(f"{path}: no readable eagle3 shard metadata ({type(e).__name__}: {e})") from e
+
+
+def finished_shard(out_dir: str, j: int, expected: dict | None = None) -> ShardRecord | None:
+    """The shard's record if it was completed (sidecar present and file size matches), else None. With
+    `expected` (contract.shard_identity of the run resuming), a finished shard written for another dump -- other
+    target, indices, tokenizer, dtype, data or plan, or by an eagle3 that recorded none of that -- is a
+    ContractError: adopting it would mix two dumps, and deleting it would lose what someone else wrote."""
     side = os.path.join(out_dir, sidecar_name(j))
     if not os.path.isfile(side):
         return None
@@ -154,4 +185,14 @@ def finished_shard(out_dir: str, j: int) -> ShardRecord | None:
     path = os.path.join(out_dir, rec.file)
     if not os.path.isfile(path) or os.path.getsize(path) != rec.bytes:
         return None
+    if expected is not None:
+        meta = read_shard_metadata(path)
+        why = "refusing to mix them: use a new --out"
+        if C.is_legacy_shard(meta):
+            raise C.ContractError(f"{path} was written by an eagle3 that did not record a shard's identity (target, "
+                                  f"tokenizer, dtype, data): a resumed run cannot check it; {why}")
+        try:
+            C.check_shard_identity(meta, dict(expected, **{C.SHARD_INDEX: j}), path, "this run")
+        except C.ContractError as e:
+            raise C.ContractError(f"{e}\n{why}") from None
     return rec

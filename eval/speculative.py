@@ -2,8 +2,14 @@
 
 The drafter is read ONLY from the export directory (config.json, model.safetensors with d2t); which target hidden
 states feed it is derived from the export's `eagle_aux_hidden_state_layer_ids` with the serving rule of the release
-its provenance names -- never from the training manifest -- so an export with wrong ids shows up here as low
-acceptance, as it would in production. The token embedding is the target's own, as in SGLang.
+its provenance names -- never from the training manifest. The export is verified first (load_export: weights'
+sha256, shapes against config.json, ids against the provenance's trained capture): ids that disagree, or an export
+without provenance, are refused unless `allow_foreign_export` (--allow-foreign-export), with which an export with
+wrong ids shows up here as low acceptance, as it would in production. The token embedding is the target's own, as
+in SGLang.
+
+Prompts: the first user turn of each conversation (ShareGPT / messages), or the first question of each MT-bench
+record ({"turns": [...]}).
 
 One round (batch size 1, greedy, chain of K):
   the target has processed positions < P and produced token x (position P);
@@ -28,11 +34,12 @@ from eagle3.train.acceptance import ChainStats  # one round bookkeeping for eval
 
 
 def load_drafter_from_export(export_dir: str, target_embedding: torch.Tensor, dtype: torch.dtype,
-                             device: torch.device):
-    """An Eagle3Drafter built from the export alone (plus the target's embedding, which SGLang shares)."""
+                             device: torch.device, allow_foreign: bool = False, export=None):
+    """An Eagle3Drafter built from the export alone (plus the target's embedding, which SGLang shares).
+    `export`: load_export's result when the caller has it already (read and verified once)."""
     from eagle3.export.sglang import load_export
     from eagle3.train.drafter import DrafterConfig, Eagle3Drafter
-    config, tensors, _ = load_export(export_dir)
+    config, tensors, _ = export or load_export(export_dir, allow_foreign=allow_foreign)
     fields = {f for f in DrafterConfig.__dataclass_fields__}
     d = {k: v for k, v in config.items() if k in fields}
     d["num_aux_layers"] = tensors["fc.weight"].shape[1] // config["target_hidden_size"]
@@ -128,15 +135,30 @@ class SpeculativeDecoder:
         return out_tokens, stats
 
 
+def _first_user_turn(record, origin: str) -> str | None:
+    """The prompt of one record: MT-bench's {"turns": [question, follow-up, ...]} gives its first question (the
+    follow-ups need the target's own first answer in the history, which a one-turn prompt has not); a
+    conversation (ShareGPT / messages) its first non-empty user turn. None: no usable turn."""
+    from eagle3.dump.conversations import DataError, normalize_record
+    if isinstance(record, dict) and record.get("turns") is not None and record.get("messages") is None \
+            and record.get("conversations") is None:
+        turns = record["turns"]
+        if not isinstance(turns, (list, tuple)) or not all(isinstance(t, str) for t in turns):
+            raise DataError(f"{origin}: 'turns' (MT-bench) must be a list of strings, got {turns!r:.80}")
+        return turns[0] if turns and turns[0].strip() else None
+    users = [m for m in normalize_record(record, origin) if m["role"] == "user" and m["content"].strip()]
+    return users[0]["content"] if users else None
+
+
 def read_prompts(path: str, tokenizer, num_prompts: int | None) -> list[list[int]]:
-    """First user turn of each conversation, rendered with the chat template and a generation prompt."""
-    from eagle3.dump.conversations import read_conversations
+    """One prompt per record (see _first_user_turn), rendered with the chat template and a generation prompt."""
+    from eagle3.dump.conversations import _iter_records  # the dump's reader: .jsonl/.json/.parquet, errors by line
     prompts = []
-    for _, _, messages in read_conversations([path]):
-        users = [m for m in messages if m["role"] == "user" and m["content"].strip()]
-        if not users:
+    for origin, record in _iter_records(path):
+        text = _first_user_turn(record, origin)
+        if text is None:
             continue
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": users[0]["content"]}],
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                             add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
@@ -144,7 +166,7 @@ def read_prompts(path: str, tokenizer, num_prompts: int | None) -> list[list[int
         if num_prompts and len(prompts) >= num_prompts:
             break
     if not prompts:
-        raise ValueError(f"{path}: no conversation with a user turn to use as a prompt")
+        raise ValueError(f"{path}: no conversation with a user turn (or MT-bench question) to use as a prompt")
     return prompts
 
 
@@ -167,17 +189,27 @@ def plot_acceptance(report: dict, path: str) -> None:
 
 def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: int = 5, max_new_tokens: int = 128,
              num_prompts: int | None = 20, out: str | None = None, dtype: str = "fp32", device: str | None = None,
-             progress: bool = True) -> dict:
+             progress: bool = True, allow_foreign_export: bool = False) -> dict:
+    """`allow_foreign_export`: evaluate a drafter from elsewhere -- an export without provenance (served as the
+    latest known SGLang release would serve it for this target) or one whose ids disagree with its provenance."""
+    from eagle3.contract import ContractError
     from eagle3.dump.targets import DTYPES, find_backbone, load_target, load_tokenizer, target_info
-    from eagle3.export.sglang import capture_indices_of_export
+    from eagle3.export.sglang import capture_indices_of_export, load_export
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tdtype = DTYPES[dtype]
     info = target_info(target_dir)
-    indices = capture_indices_of_export(export_dir, info.num_hidden_layers)
+    # Verified (sha256, ids vs provenance, shapes) before the target is loaded: a bad export fails fast.
+    export = load_export(export_dir, allow_foreign=allow_foreign_export)
+    indices = capture_indices_of_export(export_dir, info.num_hidden_layers, target_model_type=info.model_type,
+                                        allow_foreign=allow_foreign_export)
+    drafter_for = export[0]["target_hidden_size"]
+    if drafter_for != info.hidden_size:  # fc would not fit the captured states
+        raise ContractError(f"{export_dir}/config.json: target_hidden_size {drafter_for}, but the target "
+                            f"{target_dir} has hidden_size {info.hidden_size}")
     tokenizer = load_tokenizer(target_dir)
     target = load_target(target_dir, tdtype, dev)
     backbone = find_backbone(target, info.num_hidden_layers)
-    drafter = load_drafter_from_export(export_dir, target.get_input_embeddings().weight, tdtype, dev)
+    drafter = load_drafter_from_export(export_dir, target.get_input_embeddings().weight, tdtype, dev, export=export)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     gen_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])

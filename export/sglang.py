@@ -11,6 +11,11 @@ DIR/ holds
 
 Everything is checked before anything is written; the files go to a temporary directory that is renamed into place,
 so a refused or failed export leaves no half-written DIR.
+
+`load_export` (what eval reads) checks an export before use: model.safetensors against the sha256 in its
+provenance, config.json's ids against the provenance's trained capture (via the contract's forward rule), and every
+tensor's shape against config.json. An export without provenance (a drafter from elsewhere) is refused unless
+`allow_foreign`, since nothing then says which hidden states it was trained on.
 """
 
 from __future__ import annotations
@@ -48,16 +53,6 @@ class ExportError(ValueError):
 
 # ------------------------------------------------------------------------------------------------ the run
 
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: not found")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise C.ContractError(f"{path}: not valid JSON ({e})") from e
-
-
 BEST = "best"
 
 
@@ -79,7 +74,7 @@ def find_checkpoint(run_dir: str, step: int | str | None = None) -> tuple[str, i
         if not complete(BEST_DIR):
             raise FileNotFoundError(f"{run_dir}: no complete {CHECKPOINTS_DIR}/{BEST_DIR} (it is written at held-out "
                                     "evaluations; a run without a held-out split has none)")
-        return os.path.join(root, BEST_DIR), int(_read_json(os.path.join(root, BEST_DIR, CKPT_FILE))["step"])
+        return os.path.join(root, BEST_DIR), int(C.read_json(os.path.join(root, BEST_DIR, CKPT_FILE))["step"])
     if step is not None:
         tag = f"step{int(step):08d}"
         if tag not in tags or not complete(tag):
@@ -157,20 +152,21 @@ def check_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int,
             problems.append(f"d2t and t2d disagree: draft id i must map to the i-th target id marked in t2d "
                             f"({int(t2d.sum())} marked, {d2t.numel()} draft ids)")
     if problems:
-        raise C.ContractError(f"{source}: refusing to export:\n  " + "\n  ".join(problems))
+        raise C.ContractError(f"{source}: does not fit SGLang's {ARCHITECTURE}:\n  " + "\n  ".join(problems))
 
 
 def _load_run(run_dir: str, step: int | None):
     """(run record, checkpoint record, checkpoint dir, step, DrafterConfig, capture, TargetInfo, weights)."""
     from safetensors.torch import load_file
+    from eagle3.train.checkpoint import check_files
     from eagle3.train.drafter import DrafterConfig
     from eagle3.train.trainer import CKPT_FILE, RUN_FILE, VOCAB_FILE, WEIGHTS_FILE as DRAFTER_WEIGHTS
 
-    run = _read_json(os.path.join(run_dir, RUN_FILE))
+    run = C.read_json(os.path.join(run_dir, RUN_FILE))
     if run.get("format") != "eagle3-run":
         raise C.ContractError(f"{run_dir}/{RUN_FILE}: not an eagle3 training run (format={run.get('format')!r})")
     ckpt_dir, step = find_checkpoint(run_dir, step)
-    rec = _read_json(os.path.join(ckpt_dir, CKPT_FILE))
+    rec = C.read_json(os.path.join(ckpt_dir, CKPT_FILE))
     C.require_same_capture(run.get("identity", {}), rec.get("identity", {}), f"{run_dir}/{RUN_FILE}",
                            f"{ckpt_dir}/{CKPT_FILE}")
     if rec.get("step") is not None and int(rec["step"]) != step:
@@ -197,6 +193,7 @@ def _load_run(run_dir: str, step: int | None):
     if dcfg.target_hidden_size != target.hidden_size or dcfg.vocab_size != target.vocab_size:
         raise C.ContractError(f"drafter target_hidden_size/vocab_size {dcfg.target_hidden_size}/{dcfg.vocab_size} "
                               f"!= target hidden_size/vocab_size {target.hidden_size}/{target.vocab_size}")
+    check_files(ckpt_dir, rec, [DRAFTER_WEIGHTS])  # the bytes the trainer wrote: a flipped bit is refused here
     weights = load_file(os.path.join(ckpt_dir, DRAFTER_WEIGHTS))
     check_tensors(weights, expected_shapes(**_shape_args(dcfg)), f"{ckpt_dir}/{DRAFTER_WEIGHTS}")
     vocab_path = os.path.join(run_dir, VOCAB_FILE)
@@ -361,10 +358,8 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
             json.dump(config, f, indent=2)
         with open(os.path.join(tmp, PROVENANCE_FILE), "w") as f:
             json.dump(provenance, f, indent=1)
-        # Read back what was written, as a server would.
+        # Read back what was written, as a server would: sha256, ids -> served capture == trained capture, shapes.
         load_export(tmp)
-        if capture_indices_of_export(tmp, L) != capture:
-            raise C.ContractError(f"internal: the written export does not capture HF {capture}")
         if os.path.exists(out):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
             os.rename(out, os.path.join(old, "x"))
@@ -380,48 +375,135 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
 
 # ---------------------------------------------------------------------------------------------- reading back
 
-def load_export(export_dir: str) -> tuple[dict, dict[str, torch.Tensor], dict]:
-    """(config, tensors, provenance) of an export, after checking names, shapes and dtypes against its config."""
+_FOREIGN_HINT = "a drafter from elsewhere: pass allow_foreign (eagle3 eval --allow-foreign-export) to use it anyway"
+
+
+def _read_provenance(export_dir: str, allow_foreign: bool = False) -> dict | None:
+    """The export's provenance; None for an export without one (a drafter from elsewhere), only if
+    `allow_foreign`: without it nothing says what the drafter was trained on, so its ids cannot be checked."""
+    path = os.path.join(export_dir, PROVENANCE_FILE)
+    if not os.path.exists(path):
+        if allow_foreign:
+            return None
+        raise C.ContractError(f"{export_dir}: no {PROVENANCE_FILE}, so nothing records which hidden states the "
+                              f"drafter was trained on and its eagle_aux_hidden_state_layer_ids cannot be checked "
+                              f"({_FOREIGN_HINT})")
+    prov = C.read_json(path)
+    if prov.get("format") != EXPORT_FORMAT or prov.get("format_version") != EXPORT_FORMAT_VERSION:
+        raise C.ContractError(f"{path}: not an {EXPORT_FORMAT} v{EXPORT_FORMAT_VERSION} provenance")
+    return prov
+
+
+def _served_capture(config: dict, engine: str, model_type: str, release: str | None, num_layers: int) -> list[int]:
+    """The contract's forward rule of `engine` (SGLang: of `release` and the target's `model_type`) applied to
+    config.json's ids: the HF indices that server captures and feeds the drafter's fc."""
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if engine == "vllm":
+        if ids is None:
+            ids = config.get("eagle_aux_hidden_state_layer_ids")
+        return C.vllm_capture_indices(ids, num_layers)
+    if engine != "sglang":
+        raise C.ContractError(f"unknown engine {engine!r}")
+    return C.sglang_capture_indices(ids, model_type, release, num_layers)
+
+
+def _check_ids_against_provenance(export_dir: str, config: dict, prov: dict, allow_foreign: bool) -> list[int]:
+    """What the provenance's server captures with config.json's ids; refused (with `allow_foreign`: a warning)
+    unless it is exactly the capture the drafter was trained on, since other states silently cost acceptance."""
+    where = f"{export_dir}/{CONFIG_FILE}"
+    try:
+        target = prov["target"]
+        served = _served_capture(config, prov["engine"], target["model_type"], prov.get("sglang_release"),
+                                 target["num_hidden_layers"])
+        trained = prov["capture"]["hidden_state_indices"]
+    except KeyError as e:
+        raise C.ContractError(f"{export_dir}/{PROVENANCE_FILE}: lacks {e}") from e
+    except C.ContractError as e:
+        raise C.ContractError(f"{where}: eagle_aux_hidden_state_layer_ids cannot be served: {e}") from e
+    if served != trained:
+        server = "vLLM" if prov["engine"] == "vllm" else f"SGLang {prov.get('sglang_release')}"
+        msg = (f"{where}: eagle_aux_hidden_state_layer_ids "
+               f"{(config.get('eagle_config') or {}).get('eagle_aux_hidden_state_layer_ids')} make {server} capture "
+               f"HF {served}, but {PROVENANCE_FILE} says the drafter was trained on HF {trained} (ids "
+               f"{prov.get('eagle_aux_hidden_state_layer_ids')})")
+        if not allow_foreign:
+            raise C.ContractError(f"{msg}; re-export, or {_FOREIGN_HINT}")
+        print(f"warning: {msg}; used anyway (allow_foreign)", file=sys.stderr)
+    return served
+
+
+def _verify_weights(export_dir: str, prov: dict) -> None:
+    """sha256 of the weight file against the one the exporter recorded: a flipped bit loads silently otherwise."""
+    path = os.path.join(export_dir, WEIGHTS_FILE)
+    recorded = prov.get("model_safetensors_sha256")
+    if not recorded:
+        raise C.ContractError(f"{export_dir}/{PROVENANCE_FILE}: records no model_safetensors_sha256, so {path} "
+                              "cannot be verified; re-export")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: not found")
+    actual = C.file_sha256(path)
+    if actual != recorded:
+        raise C.ContractError(f"{path}: sha256 {actual} differs from the {recorded} recorded in {PROVENANCE_FILE} "
+                              "(corrupted or modified after the export); re-export")
+
+
+def load_export(export_dir: str, allow_foreign: bool = False) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
+    """(config, tensors, provenance) of an export, after checking, in this order: model.safetensors' sha256
+    against the provenance; that config.json's ids make the provenance's server capture exactly the states the
+    drafter was trained on; every tensor's name, dtype and shape against config.json (fc's in-features = number
+    of ids x target_hidden_size). `allow_foreign` (a drafter from elsewhere) accepts an export without provenance
+    (provenance None; only the shapes are checked) and turns disagreeing ids into a warning."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
-    config = _read_json(os.path.join(export_dir, CONFIG_FILE))
-    provenance = _read_json(os.path.join(export_dir, PROVENANCE_FILE))
-    if provenance.get("format") != EXPORT_FORMAT or provenance.get("format_version") != EXPORT_FORMAT_VERSION:
-        raise C.ContractError(f"{export_dir}: not an {EXPORT_FORMAT} v{EXPORT_FORMAT_VERSION} export")
+    config = C.read_json(os.path.join(export_dir, CONFIG_FILE))
     if config.get("architectures") != [ARCHITECTURE] or config.get("num_hidden_layers") != 1:
         raise C.ContractError(f"{export_dir}/{CONFIG_FILE}: expected architectures [{ARCHITECTURE}] and 1 layer")
-    tensors = load_file(os.path.join(export_dir, WEIGHTS_FILE))
+    prov = _read_provenance(export_dir, allow_foreign)
+    if prov is not None:
+        _verify_weights(export_dir, prov)
+        num_aux = len(_check_ids_against_provenance(export_dir, config, prov, allow_foreign))
+    else:
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if not ids:  # the server's default set then depends on the target; nothing here to check fc against
+            raise C.ContractError(f"{export_dir}/{CONFIG_FILE}: no eagle_config.eagle_aux_hidden_state_layer_ids "
+                                  f"and no {PROVENANCE_FILE}: set the ids explicitly")
+        num_aux = len(ids)
+    weights = os.path.join(export_dir, WEIGHTS_FILE)
+    try:
+        tensors = load_file(weights)
+    except (SafetensorError, OSError) as e:
+        raise C.ContractError(f"{weights}: cannot be read as safetensors ({e})") from e
     try:
         shapes = expected_shapes(
             hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
             num_key_value_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
             intermediate_size=config["intermediate_size"], vocab_size=config["vocab_size"],
             draft_vocab_size=config["draft_vocab_size"], target_hidden_size=config["target_hidden_size"],
-            num_aux_layers=len(provenance["capture"]["hidden_state_indices"]))
+            num_aux_layers=num_aux)
     except KeyError as e:
-        raise C.ContractError(f"{export_dir}: config or provenance lacks {e}") from e
-    check_tensors(tensors, shapes, f"{export_dir}/{WEIGHTS_FILE}", float_dtype=EXPORT_DTYPE)
-    return config, tensors, provenance
+        raise C.ContractError(f"{export_dir}/{CONFIG_FILE}: lacks {e}") from e
+    check_tensors(tensors, shapes, f"{weights} (shapes from {CONFIG_FILE}, {num_aux} aux hidden states)",
+                  float_dtype=EXPORT_DTYPE)
+    return config, tensors, prov
 
 
-def capture_indices_of_export(export_dir: str, num_layers: int, sglang_version: str | None = None) -> list[int]:
+def capture_indices_of_export(export_dir: str, num_layers: int, sglang_version: str | None = None,
+                              target_model_type: str | None = None, allow_foreign: bool = False) -> list[int]:
     """What a server would capture (HF indices, ascending) for this export on a `num_layers`-layer target: the
     forward rule of the provenance's engine / SGLang release (or `sglang_version`, the release actually served)
-    / target model_type, applied to config.json's ids. Reads only the export, never a training manifest."""
-    config = _read_json(os.path.join(export_dir, CONFIG_FILE))
-    prov = _read_json(os.path.join(export_dir, PROVENANCE_FILE))
-    if prov.get("format") != EXPORT_FORMAT:
-        raise C.ContractError(f"{export_dir}: not an {EXPORT_FORMAT} export")
+    / target model_type, applied to config.json's ids. Reads only the export, never a training manifest.
+    An export without provenance (only with `allow_foreign`) is taken as served by SGLang `sglang_version`
+    (default: the latest known) for a `target_model_type` target."""
+    config = C.read_json(os.path.join(export_dir, CONFIG_FILE))
+    prov = _read_provenance(export_dir, allow_foreign)
+    if prov is None:
+        if target_model_type is None:
+            raise C.ContractError(f"{export_dir}: no {PROVENANCE_FILE}; the target's model_type is needed to tell "
+                                  "what SGLang captures with its ids")
+        return _served_capture(config, "sglang", target_model_type, sglang_version or C.SGLANG_LATEST, num_layers)
     recorded = prov["target"]["num_hidden_layers"]
     if int(num_layers) != int(recorded):
         raise C.ContractError(f"{export_dir} was exported for a {recorded}-layer target "
                               f"({prov['target']['model_type']}), asked about a {num_layers}-layer one")
-    eagle = config.get("eagle_config") or {}
-    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-    if prov["engine"] == "vllm":
-        if ids is None:
-            ids = config.get("eagle_aux_hidden_state_layer_ids")
-        return C.vllm_capture_indices(ids, num_layers)
-    if prov["engine"] != "sglang":
-        raise C.ContractError(f"{export_dir}: unknown engine {prov['engine']!r}")
-    release = sglang_version or prov["sglang_release"]
-    return C.sglang_capture_indices(ids, prov["target"]["model_type"], release, num_layers)
+    return _served_capture(config, prov["engine"], prov["target"]["model_type"],
+                           sglang_version or prov["sglang_release"], num_layers)

@@ -245,6 +245,20 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path, chatml):
         load_samples([path], chatml, progress=False)
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "json"])
+def test_non_utf8_line_names_file_and_line(tmp_path, chatml, kind):
+    """datasets reads bytes that are not UTF-8 and fails only on the row (a bare UnicodeDecodeError)."""
+    import re
+    good = json.dumps(OPENAI).encode()
+    bad = json.dumps({"messages": [{"role": "user", "content": "hXllo"}, {"role": "assistant", "content": "ok"}]}
+                     ).encode().replace(b"hXllo", b"h\xe9llo")  # latin-1, not UTF-8
+    path = tmp_path / f"bad.{kind}"
+    path.write_bytes(good + b"\n" + bad + b"\n" + good + b"\n" if kind == "jsonl"
+                     else b"[" + good + b",\n" + bad + b",\n" + good + b"]\n")
+    with pytest.raises(DataError, match=re.escape(f"{path}:2: ") + ".*UTF-8"):
+        load_samples([str(path)], chatml, progress=False)
+
+
 def test_unknown_role(tmp_path):
     rec = {"conversations": [{"from": "human", "value": "hi"}, {"from": "wizard", "value": "poof"}]}
     path = write_jsonl(tmp_path / "r.jsonl", [SHAREGPT, rec])

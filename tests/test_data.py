@@ -3,6 +3,7 @@
 import collections
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -103,8 +104,76 @@ def test_dumps_with_other_layers_or_target_are_not_mixed(tiny_dump, tiny_targets
                         num_samples=2, progress=False))
     with pytest.raises(C.ContractError, match=r"capture.hidden_state_indices: \[1, 3, 4\]"):
         DumpSet([tiny_dump, other])
-    # the same dump twice is fine (e.g. two data slices dumped with one configuration)
-    assert len(DumpSet([tiny_dump, tiny_dump]).refs) == 2 * len(DumpSet(tiny_dump).refs)
+
+
+def _dump(target, data, out, **kw):
+    from eagle3.dump.job import DumpConfig, run_dump
+    run_dump(DumpConfig(target=target, data=data, out=str(out), layers=[4, 1, 3], dtype="fp32", progress=False, **kw))
+    return str(out)
+
+
+def test_dumps_holding_the_same_samples_are_refused(tiny_dump, tiny_targets, convs, tmp_path):
+    """A sample is (data file content, record in it): a dump listed twice, a copy of it, or a dump of [other, convs]
+    overlapping convs would each count samples twice."""
+    from tiny import write_conversations
+    with pytest.raises(C.ContractError, match=r"dump .* is listed twice"):
+        DumpSet([tiny_dump, tiny_dump])
+    os.symlink(tiny_dump, tmp_path / "link")
+    with pytest.raises(C.ContractError, match=r"dump .*link is listed twice"):
+        DumpSet([tiny_dump, str(tmp_path / "link")])
+    copy = _copy(tiny_dump, tmp_path / "copy")
+    with pytest.raises(C.ContractError, match=rf"dumps {tiny_dump} and {copy} hold the same samples"):
+        DumpSet([tiny_dump, copy])
+    other = write_conversations(tmp_path / "other.jsonl", n=2, seed=1)
+    # records 0, 1 of other.jsonl, then record 0 of convs (sample_index 2 here, 0 in tiny_dump)
+    both = _dump(tiny_targets["llama"], [other, convs], tmp_path / "both", num_samples=3)
+    with pytest.raises(C.ContractError, match=rf"{both}/shard-\d+.safetensors sample_index 2: the same record"):
+        DumpSet([tiny_dump, both])
+    only_other = _dump(tiny_targets["llama"], [other], tmp_path / "only_other")
+    assert len(DumpSet([tiny_dump, only_other]).refs) == len(DumpSet(tiny_dump).refs) + 2
+
+
+@pytest.mark.parametrize("edit, msg", [
+    (lambda m: m["capture"].update(hidden_state_indices=[2, 3, 4]), r"holds hidden states \[1, 3, 4\], but .* claims "
+                                                                    r"\[2, 3, 4\]"),
+    (lambda m: m["capture"].update(hidden_state_indices=[3, 4]), r"holds hidden states \[1, 3, 4\], but .* claims "
+                                                                 r"\[3, 4\]"),
+    (lambda m: m["tokenizer"].update(sha256="0" * 64), r"tokenizer.sha256"),
+    (lambda m: m.update(dtype="bfloat16"), r"dtype: 'float32'"),
+    (lambda m: m["data_fingerprint"].update(sha256="0" * 64), r"data.sha256"),
+])
+def test_shards_are_checked_against_an_edited_manifest(tiny_dump, tmp_path, edit, msg):
+    """The manifest's sha256s of the shards still match; only the shards' own metadata and tensors tell."""
+    from dump_edits import edit_json
+    from eagle3.data.inspect import inspect_dump
+    d = _copy(tiny_dump, tmp_path / "d")
+    edit_json(os.path.join(d, "manifest.json"), edit)
+    with pytest.raises(C.ContractError, match=msg):
+        DumpSet(d, verify=False)
+    rep = inspect_dump(d)
+    assert rep["verified"].startswith("FAILED: ") and re.search(msg, rep["verified"])
+
+
+def test_dump_from_before_shard_identity_reads_with_its_checks(tiny_dump, tmp_path):
+    """Legacy shards (format-v1 keys only) still read; their indices and target are still checked; a dump of legacy
+    and new shards is no one dump."""
+    from dump_edits import edit_json, make_legacy
+    from eagle3.data.inspect import inspect_dump, render
+    d = _copy(tiny_dump, tmp_path / "legacy")
+    n = len(C.load_manifest(d).shards)
+    make_legacy(d, 0)
+    with pytest.raises(C.ContractError, match=rf"{d}: its shards come from 2 different dump runs"):
+        DumpSet(d)
+    for j in range(1, n):
+        make_legacy(d, j)
+    edit_json(os.path.join(d, "manifest.json"), lambda m: m.pop("data_fingerprint"))
+    ds = DumpSet(d)
+    assert ds.legacy == [d] and len(ds.refs) == len(DumpSet(tiny_dump).refs)
+    torch.testing.assert_close(ds.standardized(ds.refs[0]), DumpSet(tiny_dump).standardized(ds.refs[0]))
+    assert "identity legacy" in render(inspect_dump(d))
+    edit_json(os.path.join(d, "manifest.json"), lambda m: m["target"].update(config_sha256="0" * 64))
+    with pytest.raises(C.ContractError, match="target_config_sha256"):
+        DumpSet(d)
 
 
 def test_split_is_deterministic_disjoint_and_seeded(tiny_dump):

@@ -3,6 +3,7 @@ uninterrupted run."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -113,12 +114,17 @@ def test_kill_and_resume_gives_the_same_shards(tiny_targets, convs, tmp_path):
         dump(target, convs, tmp_path / "resumed", shard_size_mb=0.02, stop_after_shards=2)
     out = tmp_path / "resumed"
     assert not (out / "manifest.json").exists()
-    # what a kill during the third shard's write leaves behind: a temp file and a shard without its sidecar
+    # what a kill during the third shard's write leaves behind: temp files and a shard without its sidecar
     (out / "shard-00002.safetensors.tmp-999").write_bytes(b"partial")
+    (out / "shard-00001.json.tmp-999").write_text("{")
     (out / "shard-00002.safetensors").write_bytes(b"truncated")
+    mine = ["notes.txt.tmp-999", "shard-00002.safetensors.tmp-old", "shard-2.safetensors.tmp-1"]  # not the dump's
+    for name in mine:
+        (out / name).write_text("keep")
     resumed = dump(target, convs, out, shard_size_mb=0.02)
     assert [r.sha256 for r in resumed.shards] == [r.sha256 for r in full.shards]
     assert resumed.totals == full.totals
+    assert sorted(p.name for p in out.glob("*.tmp-*")) == sorted(mine)  # the dump's own stale temp files are gone
     # rerunning a finished dump writes nothing new and keeps the manifest
     again = dump(target, convs, out, shard_size_mb=0.02)
     assert again.to_dict() == resumed.to_dict()
@@ -134,6 +140,113 @@ def test_rerun_into_out_with_other_layers_target_or_tokenizer_is_refused(tiny_ta
     with pytest.raises(C.ContractError, match="different data"):
         dump(tiny_targets["llama"], convs, out, num_samples=3)
     assert read_manifest(str(out)).totals["samples"] == 2  # nothing already written was touched
+
+
+def _shards(out):
+    return {p.name: p.read_bytes() for p in sorted(out.glob("shard-*"))}
+
+
+def test_resume_checks_each_shards_own_identity(tiny_targets, convs, tmp_path):
+    """With dump_config.json and manifest.json gone, the shards' own metadata still refuses another target or other
+    layers, before anything is written (no dump_config.json claiming the foreign run either)."""
+    import shutil
+    from dump_edits import edit_json
+    llama, out = tiny_targets["llama"], tmp_path / "d"
+    dump(llama, convs, out, shard_size_mb=0.02, num_samples=4)
+    (out / "dump_config.json").unlink()
+    (out / "manifest.json").unlink()
+    before = _shards(out)
+    eps = tmp_path / "eps"  # the same model, one config value changed: another target
+    shutil.copytree(llama, eps)
+    edit_json(str(eps / "config.json"), lambda c: c.update(rms_norm_eps=1e-5))
+    with pytest.raises(C.ContractError, match=r"shard-00000.safetensors and this run:\n(.|\n)*target.config_sha256"):
+        dump(str(eps), convs, out, shard_size_mb=0.02, num_samples=4)
+    other_layers = r"capture.hidden_state_indices: \[3, 4\] \(\S*shard-00000.safetensors\) != \[1, 4\] \(this run"
+    with pytest.raises(C.ContractError, match=other_layers):
+        dump(llama, convs, out, shard_size_mb=0.02, num_samples=4, layers=[1, 4])
+    assert _shards(out) == before and not (out / "dump_config.json").exists()
+    # the run that wrote them adopts them
+    assert dump(llama, convs, out, shard_size_mb=0.02, num_samples=4).totals["samples"] == 4
+
+
+def test_resume_into_a_dump_by_an_older_eagle3_is_refused(tiny_targets, convs, tmp_path):
+    """Shards or a dump_config.json without the identity this eagle3 records cannot be checked: no resume into them."""
+    from dump_edits import edit_json, make_legacy
+    llama, out = tiny_targets["llama"], tmp_path / "d"
+    dump(llama, convs, out, shard_size_mb=0.02, num_samples=3)
+    make_legacy(str(out), 1)
+    before = _shards(out)
+    with pytest.raises(C.ContractError, match=r"shard-00001.safetensors was written by an eagle3 that did not record"):
+        dump(llama, convs, out, shard_size_mb=0.02, num_samples=3)
+    edit_json(str(out / "dump_config.json"), lambda c: c.pop("data"))
+    with pytest.raises(C.ContractError, match="did not fingerprint the data"):
+        dump(llama, convs, out, shard_size_mb=0.02, num_samples=3)
+    assert _shards(out) == before
+
+
+def _swap_words(text):
+    w = text.split(" ")
+    if len(w) > 3 and w[1] != w[2]:
+        w[1], w[2] = w[2], w[1]  # not the first word: each word after a space is tokenized on its own
+    return " ".join(w)
+
+
+def test_resume_refuses_data_edited_in_place(tiny_targets, convs, tmp_path):
+    """An edit that keeps every token length (so the shard plan is the same) is still other data."""
+    from eagle3.dump.conversations import load_samples
+    from eagle3.dump.targets import load_tokenizer
+    llama, out, data = tiny_targets["llama"], tmp_path / "d", tmp_path / "c.jsonl"
+    data.write_text(open(convs).read())
+    data = str(data)
+    with pytest.raises(SystemExit):
+        dump(llama, data, out, shard_size_mb=0.02, num_samples=6, stop_after_shards=2)
+    tok = load_tokenizer(llama)
+    lengths = [len(s.input_ids) for s in load_samples([data], tok, num_samples=6, progress=False)[0]]
+    with open(data) as f:
+        original = f.read()
+    recs = [json.loads(line) for line in original.splitlines()]
+    for r in recs:
+        for turn in r["conversations"]:
+            turn["value"] = _swap_words(turn["value"])
+    edited = "".join(json.dumps(r) + "\n" for r in recs)
+    assert edited != original
+    with open(data, "w") as f:
+        f.write(edited)
+    assert [len(s.input_ids) for s in load_samples([data], tok, num_samples=6, progress=False)[0]] == lengths
+    before = _shards(out)
+    with pytest.raises(C.ContractError, match=r"the data changed since the dump in .* started: \[.*c\.jsonl'\]"):
+        dump(llama, data, out, shard_size_mb=0.02, num_samples=6)
+    (out / "dump_config.json").unlink()  # the shards' own metadata says it too
+    with pytest.raises(C.ContractError, match=r"shard-00000.safetensors and this run:\n(.|\n)*data.sha256"):
+        dump(llama, data, out, shard_size_mb=0.02, num_samples=6)
+    assert _shards(out) == before
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(tp=0), "--tp 0: must be a positive integer"),
+    (dict(tp=-3), "--tp -3: must be a positive integer"),
+    (dict(max_length=-20), "--max-length -20: must be a positive integer"),
+    (dict(batch_tokens=0), "--batch-tokens 0: must be a positive integer"),
+    (dict(num_samples=0), "--num-samples 0: must be a positive integer"),
+    (dict(shard_size_mb=-1.0), "--shard-size-mb -1.0: must be a positive number"),
+    (dict(layers=[]), "--layers names no index"),
+    (dict(dtype="int8"), "--dtype 'int8': choose one of"),
+])
+def test_bad_arguments_are_refused_up_front(kw, msg):
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        DumpConfig(target="t", data=["d.jsonl"], out="o", **kw)
+
+
+@pytest.mark.parametrize("args, msg", [(["--tp", "0"], "--tp 0: must be a positive integer"),
+                                       (["--layers", ","], "--layers names no index")])
+def test_cli_refuses_bad_arguments_without_a_traceback(tiny_targets, convs, tmp_path, capsys, args, msg):
+    from eagle3.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["dump", "--target", tiny_targets["llama"], "--data", convs, "--out", str(tmp_path / "d"), *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"eagle3 dump: error: {msg}" in err and "Traceback" not in err
+    assert not (tmp_path / "d").exists()
 
 
 def test_other_tokenizer_is_refused(tiny_targets, convs, tmp_path):

@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+from eagle3.contract import ContractError
 from eagle3.eval.speculative import evaluate
 from eagle3.train.acceptance import ChainStats
 
@@ -76,8 +77,10 @@ def test_an_export_with_shifted_ids_accepts_clearly_less(word_target, distilled,
     cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [
         i + 1 for i in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
     json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(ContractError, match=r"capture HF \[2, 4, 5\].*trained on HF \[1, 3, 4\]"):
+        _eval(word_target, wrong, distilled)        # the provenance in the same folder says otherwise: refused
     right = _eval(word_target, trained_export, distilled)
-    shifted = _eval(word_target, wrong, distilled)
+    shifted = _eval(word_target, wrong, distilled, allow_foreign_export=True)
     assert shifted["capture_indices"] == [2, 4, 5]
     assert shifted["lossless"]                      # still correct output, only slower
     assert shifted["acceptance_length"] < right["acceptance_length"] - 1.0, (shifted, right)
@@ -144,3 +147,68 @@ def test_walk_rounds_by_hand():
     mask[0, 6] = 0                                    # two turns: 2..5 and 7..11
     s = walk(hits, mask, None, K)
     assert s.verify_steps == 1 + 3 and s.accepted == [1 + 1, 1 + 1, 0]   # turn 2: rounds at t = 6, 7 miss, t = 8 takes 2
+
+
+def test_eval_checks_the_export_shapes_before_decoding(word_target, distilled, trained_export, tmp_path):
+    """2 ids for an fc trained on 3 states: a clear error naming the file and tensor, not a matmul traceback."""
+    two = str(tmp_path / "two")
+    shutil.copytree(trained_export, two)
+    cfg_path = os.path.join(two, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 2]
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(ContractError, match=r"two/model\.safetensors .*\n  fc\.weight: shape \(64, 192\), "
+                                            r"expected \(64, 128\)"):
+        _eval(word_target, two, distilled, allow_foreign_export=True)
+
+
+# Two records of MT-bench's question.jsonl (FastChat llm_judge), verbatim.
+MT_BENCH = [
+    {"question_id": 81, "category": "writing", "turns": [
+        "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and "
+        "must-see attractions.", "Rewrite your previous response. Start every sentence with the letter A."]},
+    {"question_id": 101, "category": "reasoning", "turns": [
+        "Imagine you are participating in a race with a group of people. If you have just overtaken the second "
+        "person, what's your current position? Where is the person you just overtook?",
+        "If the \"second person\" is changed to \"last person\" in the above scenario, what would be the answer?"],
+     "reference": ["You are in second place.", "Uncertain."]},
+]
+
+
+def _jsonl(path, records):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    return str(path)
+
+
+def test_mt_bench_prompts_are_the_first_turns(word_target, tmp_path):
+    from eagle3.dump.conversations import DataError
+    from eagle3.dump.targets import load_tokenizer
+    from eagle3.eval.speculative import read_prompts
+    tok = load_tokenizer(word_target)
+    mt = _jsonl(tmp_path / "mtbench.jsonl", MT_BENCH)
+    firsts = _jsonl(tmp_path / "firsts.jsonl", [{"messages": [{"role": "user", "content": r["turns"][0]}]}
+                                               for r in MT_BENCH])
+    prompts = read_prompts(mt, tok, None)
+    assert prompts == read_prompts(firsts, tok, None) and len(prompts) == 2
+    bad = _jsonl(tmp_path / "bad.jsonl", [MT_BENCH[0], {"question_id": 1, "turns": "not a list"}])
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: 'turns' \(MT-bench\) must be a list of strings"):
+        read_prompts(bad, tok, None)
+
+
+def test_cli_eval_of_a_foreign_export_on_mt_bench(word_target, trained_export, tmp_path, capsys):
+    """An export without provenance (a drafter from elsewhere) needs --allow-foreign-export; its ids are then read
+    with the latest SGLang release's rule for the target (llama: id + 1)."""
+    from eagle3.cli import main
+    foreign = str(tmp_path / "foreign")
+    shutil.copytree(trained_export, foreign)
+    os.remove(os.path.join(foreign, "eagle3_provenance.json"))
+    args = ["eval", "--target", word_target, "--drafter", foreign, "--prompts",
+            _jsonl(tmp_path / "mtbench.jsonl", MT_BENCH), "--num-prompts", "2", "--max-new-tokens", "8",
+            "--draft-steps", "3"]
+    with pytest.raises(SystemExit):
+        main(args)
+    assert "no eagle3_provenance.json" in capsys.readouterr().err
+    main(args + ["--allow-foreign-export"])
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["prompts"] == 2 and rep["capture_indices"] == [1, 3, 4] and rep["lossless"]

@@ -217,6 +217,8 @@ def edit_weights(run, fn, step=4):
     w = load_file(path)
     fn(w)
     save_file(w, path)
+    # recorded as the trainer would have: what these tests refuse is the content, not a hash mismatch
+    edit_records(run, lambda d: d.get("sha256", {}).update({"drafter.safetensors": C.file_sha256(path)}), step)
 
 
 def no_leftovers(parent, name):
@@ -386,6 +388,11 @@ def test_output_directory_rules(tiny_run, tmp_path):
     w = load_file(str(empty / "model.safetensors"))
     w["layers.0.input_layernorm.weight"] = torch.ones(64, dtype=torch.bfloat16)
     save_file(w, str(empty / "model.safetensors"))
+    with pytest.raises(C.ContractError, match="sha256"):
+        load_export(str(empty))
+    prov = json.load(open(empty / "eagle3_provenance.json"))  # the same file with its hash recorded: the names
+    prov["model_safetensors_sha256"] = C.file_sha256(str(empty / "model.safetensors"))
+    json.dump(prov, open(empty / "eagle3_provenance.json", "w"))
     with pytest.raises(C.ContractError, match="unknown tensors"):
         load_export(str(empty))
 
@@ -402,3 +409,67 @@ def test_cli_export(tiny_run, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["export-sglang", "--run", tiny_run, "--out", str(tmp_path / "cli2"), "--sglang-version", "0.5.10"])
     assert "disable-cuda-graph" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- reading an export
+
+def _set_ids(export, ids):
+    path = os.path.join(export, "config.json")
+    cfg = json.load(open(path))
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+    json.dump(cfg, open(path, "w"))
+
+
+def test_a_flipped_bit_in_an_export_is_refused(tiny_run, tmp_path):
+    from eagle3.export.sglang import export_drafter, load_export
+    out = str(tmp_path / "draft")
+    export_drafter(tiny_run, out)
+    path = os.path.join(out, "model.safetensors")
+    with open(path, "r+b") as f:  # the lowest mantissa bit of fc.weight[0, 0] (bf16, little-endian)
+        header_len = int.from_bytes(f.read(8), "little")
+        start = 8 + header_len + json.loads(f.read(header_len))["fc.weight"]["data_offsets"][0]
+        f.seek(start)
+        byte = f.read(1)[0]
+        f.seek(start)
+        f.write(bytes([byte ^ 1]))
+    flipped = load_file(path)  # still a well-formed file of finite weights: only the hash can tell
+    assert bool(torch.isfinite(flipped["fc.weight"]).all())
+    with pytest.raises(C.ContractError, match=r"model\.safetensors: sha256 .* differs from the .* recorded"):
+        load_export(out)
+    with pytest.raises(C.ContractError, match="sha256"):  # no flag turns the check off
+        load_export(out, allow_foreign=True)
+
+
+def test_ids_that_disagree_with_the_provenance_are_refused(tiny_run, tmp_path, capsys):
+    from eagle3.export.sglang import export_drafter, load_export
+    out = str(tmp_path / "draft")
+    export_drafter(tiny_run, out)
+    _set_ids(out, [1, 3, 4])  # the trained capture written as ids: SGLang's +1 rule shifts every state
+    with pytest.raises(C.ContractError, match=r"config\.json: eagle_aux_hidden_state_layer_ids \[1, 3, 4\] make "
+                                              r"SGLang 0\.5\.23 capture HF \[2, 4, 5\].*trained on HF \[1, 3, 4\]"):
+        load_export(out)
+    config, _, prov = load_export(out, allow_foreign=True)  # a drafter from elsewhere: a warning only
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4] and prov["step"] == 4
+    assert "HF [2, 4, 5]" in capsys.readouterr().err
+
+
+def test_export_shapes_are_checked_against_its_config(tiny_run, tmp_path):
+    """2 ids in config.json for an fc trained on 3 states: a clear error naming the tensor, not a matmul crash."""
+    from eagle3.export.sglang import export_drafter, load_export
+    out = str(tmp_path / "draft")
+    export_drafter(tiny_run, out)
+    _set_ids(out, [0, 2])
+    with pytest.raises(C.ContractError, match=r"capture HF \[1, 3\]"):
+        load_export(out)
+    with pytest.raises(C.ContractError, match=r"model\.safetensors \(shapes from config\.json, 2 aux hidden "
+                                              r"states\).*\n  fc\.weight: shape \(64, 192\), expected \(64, 128\)"):
+        load_export(out, allow_foreign=True)
+    # the same without provenance (a drafter from elsewhere): refused unless allowed, then its shapes still checked
+    os.remove(os.path.join(out, "eagle3_provenance.json"))
+    with pytest.raises(C.ContractError, match="no eagle3_provenance.json"):
+        load_export(out)
+    with pytest.raises(C.ContractError, match=r"fc\.weight: shape \(64, 192\), expected \(64, 128\)"):
+        load_export(out, allow_foreign=True)
+    _set_ids(out, [0, 2, 3])
+    config, tensors, prov = load_export(out, allow_foreign=True)
+    assert prov is None and tensors["fc.weight"].shape == (64, 192)

@@ -3,9 +3,14 @@
     deepspeed --num_gpus N --module eagle3.train --dump DIR... --target DIR --out RUN [--config kimi-k2.5] ...
     eagle3 train ...                                   (one process)
 
-RUN/ holds run.json (the capture contract, vocab, standardize version, drafter and training config),
-vocab.safetensors, metrics.jsonl, and checkpoints/stepNNNNNNNN/ (DeepSpeed's own files for exact resume, plus
-drafter.safetensors with the consolidated weights and eagle3_checkpoint.json for the export).
+RUN/ holds run.json (the capture contract, the data's sha256, vocab, standardize version, drafter and training
+config, and what each resume changed), vocab.safetensors, metrics.jsonl, and checkpoints/stepNNNNNNNN/ (DeepSpeed's
+own files for exact resume, drafter.safetensors with the consolidated weights, and eagle3_checkpoint.json, written
+last, with every file's sha256: see checkpoint.py).
+
+--resume continues the run from checkpoints/latest with the same data order and held-out split: it refuses any
+option whose change would alter them or the run the checkpoint continues, and allows only RESUMABLE ones (the
+training length, checkpoint/eval/log cadence, speed-only switches), recorded in run.json's `resumes`.
 """
 
 from __future__ import annotations
@@ -23,14 +28,25 @@ from tqdm import tqdm
 
 from eagle3 import contract as C
 from eagle3 import dist as D
+from eagle3.train import checkpoint as CK
 from eagle3.train import kernels
 from eagle3.train.config import TrainConfig
 
 RUN_FILE = "run.json"
-CKPT_FILE = "eagle3_checkpoint.json"
+CKPT_FILE = CK.CKPT_FILE
 WEIGHTS_FILE = "drafter.safetensors"
 VOCAB_FILE = "vocab.safetensors"
 METRICS_FILE = "metrics.jsonl"
+
+# Options a resume may change. None of them moves a sample between the training and held-out sets, reorders or
+# rebatches the data, or changes the optimizer, loss or held-out measure the checkpoint continues with. The training
+# length (max_steps, epochs) may change as long as the run does not end before its checkpoint; the cosine LR
+# schedule then continues on the curve of the new length. Dumps and target may be given by other paths: their
+# contents are compared (data_sha256, the target identity).
+RESUMABLE = frozenset({"max_steps", "epochs", "save_interval", "keep_checkpoints", "eval_interval", "keep_best",
+                       "log_interval", "num_workers", "activation_checkpointing", "fast_path", "attention_kernel",
+                       "teacher_chunk_tokens", "wandb_project", "wandb_mode", "progress", "stop_after_steps",
+                       "resume", "dump", "target", "out"})
 
 
 class DrafterTrainStep(nn.Module):
@@ -175,6 +191,27 @@ class MetricsLog:
             self.wandb.finish()
 
 
+def truncate_metrics(path: str, step: int) -> int:
+    """Drop the rows after `step` (the resumed run computes those steps again); returns how many were dropped."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        lines = f.readlines()
+    keep = []
+    for i, line in enumerate(lines):
+        try:
+            row_step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            if i == len(lines) - 1 and not line.endswith("\n"):
+                break  # the last row, torn by the kill that stopped the run
+            raise C.ContractError(f"{path}:{i + 1}: not a metrics row (JSON with a step)") from None
+        if row_step <= step:
+            keep.append(line)
+    if len(keep) != len(lines):
+        CK.write_bytes_atomic(path, "".join(keep).encode())
+    return len(lines) - len(keep)
+
+
 def _flatten(rec: dict) -> dict:
     out = {}
     for k, v in rec.items():
@@ -209,22 +246,32 @@ def consolidated_state_dict(engine) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in drafter.export_state_dict().items()}
 
 
+def _drafter_bytes(weights: dict[str, torch.Tensor], step: int) -> bytes:
+    from safetensors.torch import save
+    return save(weights, metadata={"eagle3_step": str(step)})
+
+
 def save_checkpoint(engine, run_dir: str, step: int, cfg: TrainConfig, world: D.World, run_record: dict) -> str:
-    from safetensors.torch import save_file
-    ckpt_root = os.path.join(run_dir, "checkpoints")
+    """checkpoints/stepN: DeepSpeed's state, the consolidated drafter, then the record with every file's sha256
+    (complete from then on), then `latest`, and only then the deletion of older checkpoints."""
+    root = os.path.join(run_dir, "checkpoints")
     tag = f"step{step:08d}"
+    path = os.path.join(root, tag)
+    if world.is_main and CK.is_complete(path):
+        # left by an abandoned attempt that got this far: incomplete until this save has rewritten and recorded it
+        os.remove(os.path.join(path, CKPT_FILE))
     rng = {"torch": torch.get_rng_state().tolist()}
-    engine.save_checkpoint(ckpt_root, tag=tag, client_state={"step": step, "rng": rng})
+    engine.save_checkpoint(root, tag=tag, client_state={"step": step, "rng": rng}, save_latest=False)
     weights = consolidated_state_dict(engine)
-    path = os.path.join(ckpt_root, tag)
-    if world.is_main:
-        save_file(weights, os.path.join(path, WEIGHTS_FILE), metadata={"eagle3_step": str(step)})
-        with open(os.path.join(path, CKPT_FILE), "w") as f:
-            json.dump(dict(run_record, step=step, tag=tag, weights=WEIGHTS_FILE), f, indent=1)
-        tags = sorted(t for t in os.listdir(ckpt_root) if t.startswith("step"))
-        for old in tags[:-cfg.keep_checkpoints]:
-            shutil.rmtree(os.path.join(ckpt_root, old), ignore_errors=True)
-    D.barrier()
+    D.run_on_main(lambda: CK.write_bytes_atomic(os.path.join(path, WEIGHTS_FILE), _drafter_bytes(weights, step)),
+                  world)
+    sha256 = CK.hash_files(path, world)
+
+    def complete():
+        CK.write_record(path, dict(run_record, step=step, tag=tag, weights=WEIGHTS_FILE, sha256=sha256))
+        CK.set_latest(root, tag)
+        CK.rotate(root, tag, cfg.keep_checkpoints)
+    D.run_on_main(complete, world)
     return path
 
 
@@ -234,39 +281,77 @@ BEST_DIR = "best"
 def save_best(engine, run_dir: str, step: int, world: D.World, run_record: dict, best: dict) -> None:
     """checkpoints/best/: the consolidated drafter with the best held-out decoding acceptance so far (for export:
     `export-sglang --step best`); replaced atomically (written aside, then renamed over)."""
-    from safetensors.torch import save_file
     weights = consolidated_state_dict(engine)
-    if world.is_main:
+
+    def write():
         root = os.path.join(run_dir, "checkpoints")
         tmp, final = os.path.join(root, f".{BEST_DIR}.tmp"), os.path.join(root, BEST_DIR)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        save_file(weights, os.path.join(tmp, WEIGHTS_FILE), metadata={"eagle3_step": str(step)})
-        with open(os.path.join(tmp, CKPT_FILE), "w") as f:
-            json.dump(dict(run_record, step=step, tag=BEST_DIR, weights=WEIGHTS_FILE, best=best), f, indent=1)
+        data = _drafter_bytes(weights, step)
+        CK.write_bytes_atomic(os.path.join(tmp, WEIGHTS_FILE), data)
+        CK.write_record(tmp, dict(run_record, step=step, tag=BEST_DIR, weights=WEIGHTS_FILE, best=best,
+                                  sha256={WEIGHTS_FILE: C.sha256_bytes(data)}))
         old = os.path.join(root, f".{BEST_DIR}.old")
         shutil.rmtree(old, ignore_errors=True)
         if os.path.isdir(final):
             os.rename(final, old)
         os.rename(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
-    D.barrier()
+    D.run_on_main(write, world)
 
 
 def _read_best(run_dir: str) -> dict | None:
     path = os.path.join(run_dir, "checkpoints", BEST_DIR, CKPT_FILE)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f).get("best")
+    return CK.read_json(path).get("best")
 
 
-def _resume_point(run_dir: str) -> str | None:
-    latest = os.path.join(run_dir, "checkpoints", "latest")
-    if not os.path.isfile(latest):
-        return None
-    with open(latest) as f:
-        return f.read().strip()
+def data_sha256(dumps) -> str:
+    """What the data order depends on: every shard's sha256, dump by dump, in the order given."""
+    return C.sha256_bytes(C.canonical_json([[s.sha256 for s in m.shards] for m in dumps.manifests]))
+
+
+def resume_changes(run_path: str, old: dict, cfg: TrainConfig, identity: dict, data_sha: str,
+                   world_size: int) -> dict:
+    """{option: [before, now]} for the RESUMABLE options changed since the run was started (or last resumed);
+    a difference in anything else is refused, naming every one."""
+    C.require_same_capture(old.get("identity", {}), identity, f"the run being resumed ({run_path})",
+                           "the dumps given now")
+    problems = []
+    if old.get("data_sha256") != data_sha:
+        problems.append(f"the dumps hold other data (shard sha256s: {old.get('data_sha256')} -> {data_sha})")
+    if old.get("world_size") != world_size:
+        problems.append(f"world size {old.get('world_size')} -> {world_size} (it sets the batches)")
+    before, now = old.get("train", {}), json.loads(json.dumps(cfg.to_dict()))
+    changed = {k: [before.get(k), v] for k, v in now.items() if before.get(k) != v}
+    problems += [f"--{k.replace('_', '-')}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in RESUMABLE]
+    if problems:
+        raise ValueError(f"--resume: {run_path} was trained otherwise; a resume keeps the data order, the held-out "
+                         "split and the run its checkpoint continues (start a new run with another --out to change "
+                         "them):\n  " + "\n  ".join(problems))
+    return {k: c for k, c in changed.items() if k != "resume"}
+
+
+def vocab_source(cfg: TrainConfig, data_sha: str, size: int) -> dict:
+    """What the draft vocabulary was made from: the --vocab file, or the training split of these dumps."""
+    if cfg.vocab:
+        return {"file": os.path.abspath(cfg.vocab), "sha256": C.file_sha256(cfg.vocab)}
+    return {"data_sha256": data_sha, "held_out_fraction": cfg.held_out_fraction, "seed": cfg.seed,
+            "draft_vocab_size": size}
+
+
+def traces_of_a_run(run_dir: str) -> list[str]:
+    """What a fresh run would mix with or overwrite: metrics rows, checkpoints."""
+    found = []
+    metrics = os.path.join(run_dir, METRICS_FILE)
+    if os.path.isfile(metrics) and os.path.getsize(metrics):
+        found.append(metrics)
+    root = os.path.join(run_dir, "checkpoints")
+    if os.path.isdir(root) and os.listdir(root):
+        found.append(root)
+    return found
 
 
 # ------------------------------------------------------------------------------------------------- the job
@@ -301,37 +386,62 @@ def train(cfg: TrainConfig) -> dict:
     if not train_refs:
         raise ValueError("no training samples after the held-out split")
 
-    resume_tag = _resume_point(run_dir) if cfg.resume else None
-    run_path = os.path.join(run_dir, RUN_FILE)
-    if cfg.resume and resume_tag is None:
-        raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}/checkpoints")
+    data_sha = data_sha256(dumps)
+    plan = BatchPlan([r.length for r in train_refs], cfg.token_budget, cfg.seed, world.rank, world.world_size)
+    steps_per_epoch = len(plan.epoch(0))
+    total = cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
+    total -= total % cfg.grad_accum
 
-    def prepare_run_dir():
-        os.makedirs(run_dir, exist_ok=True)
+    ckpt_root = os.path.join(run_dir, "checkpoints")
+    run_path = os.path.join(run_dir, RUN_FILE)
+    vocab_path = os.path.join(run_dir, VOCAB_FILE)
+    resume_tag = CK.resume_tag(ckpt_root) if cfg.resume else None
+    if cfg.resume and resume_tag is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_root}")
+    resume_dir = os.path.join(ckpt_root, resume_tag) if resume_tag else None
+    resume_rec = CK.read_record(resume_dir) if resume_dir else None
+
+    # ---- checks only: nothing in RUN is changed until the run is known to be startable
+    def prepare_run_dir() -> dict | None:
+        """Fresh: the vocabulary in place. Resume: {option: [before, now]} of the allowed changes."""
         if resume_tag is not None:
-            with open(run_path) as f:
-                old = json.load(f)
-            C.require_same_capture(old["identity"], manifest.identity(), f"the run being resumed ({run_dir})",
-                                   "the dumps given now")
-            if old["world_size"] != world.world_size or old["train"]["zero_stage"] != cfg.zero_stage:
-                raise ValueError(f"--resume: {run_dir} was trained with world size {old['world_size']}, ZeRO "
-                                 f"{old['train']['zero_stage']}; now {world.world_size}, ZeRO {cfg.zero_stage}")
-        elif os.path.isfile(os.path.join(run_dir, "checkpoints", "latest")):
-            raise ValueError(f"{run_dir} already holds a training run: pass --resume, or choose another --out")
-        vocab_path = os.path.join(run_dir, VOCAB_FILE)
-        if not os.path.isfile(vocab_path):
-            if cfg.vocab:
-                vocab = load_vocab(cfg.vocab)
-                ident = vocab["meta"].get("identity")
-                if ident is not None:
-                    C.require_same_capture(ident, manifest.identity(), f"vocab {cfg.vocab}", "the dumps")
-            else:
-                n = drafter_config(cfg, cfg.target, len(manifest.capture.hidden_state_indices)).draft_vocab_size
-                vocab = build_vocab(dumps, train_refs, n, progress=cfg.progress)
-                log(f"[train] draft vocab {n}: coverage {vocab['meta']['coverage']:.2%} of training loss tokens")
-            save_vocab(vocab_path, vocab)
-    D.run_on_main(prepare_run_dir, world)
-    vocab = load_vocab(os.path.join(run_dir, VOCAB_FILE))
+            old = CK.read_json(run_path)
+            changes = resume_changes(run_path, old, cfg, manifest.identity(), data_sha, world.world_size)
+            if total < resume_rec["step"]:
+                raise ValueError(f"--resume: the run would end at step {total}, before its checkpoint {resume_dir} "
+                                 f"(step {resume_rec['step']}): give a --max-steps of at least that")
+            if C.file_sha256(vocab_path) != old.get("vocab_sha256"):
+                raise CK.CheckpointError(f"{vocab_path}: sha256 differs from the one {run_path} records "
+                                         f"({old.get('vocab_sha256')}): the draft vocabulary the checkpoints were "
+                                         "trained with was replaced or altered")
+            return {"step": resume_rec["step"], "from": resume_tag, "changed": changes}
+        traces = traces_of_a_run(run_dir)
+        if traces:
+            raise ValueError(f"{run_dir} already holds a training run ({', '.join(traces)}): pass --resume, or "
+                             "choose another --out")
+        os.makedirs(run_dir, exist_ok=True)
+        n = drafter_config(cfg, cfg.target, len(manifest.capture.hidden_state_indices)).draft_vocab_size
+        source = vocab_source(cfg, data_sha, n)
+        try:  # one a failed start left here is kept only if it was made from the same data and settings
+            if load_vocab(vocab_path)["meta"].get("source") == source:
+                return None
+        except Exception:  # absent, or unreadable: made anew below
+            pass
+        if cfg.vocab:
+            vocab = load_vocab(cfg.vocab)
+            ident = vocab["meta"].get("identity")
+            if ident is not None:
+                C.require_same_capture(ident, manifest.identity(), f"vocab {cfg.vocab}", "the dumps")
+        else:
+            vocab = build_vocab(dumps, train_refs, n, progress=cfg.progress)
+            log(f"[train] draft vocab {n}: coverage {vocab['meta']['coverage']:.2%} of training loss tokens")
+        vocab["meta"]["source"] = source
+        save_vocab(vocab_path, vocab)
+        return None
+    resumed = D.broadcast_object(D.run_on_main(prepare_run_dir, world))
+    vocab = load_vocab(vocab_path)
+    if resume_dir is not None:  # every file DeepSpeed and we will read, against the checkpoint's record
+        CK.check_files(resume_dir, resume_rec, world=world)
 
     # ---- the model
     dcfg = drafter_config(cfg, cfg.target, len(manifest.capture.hidden_state_indices))
@@ -344,18 +454,22 @@ def train(cfg: TrainConfig) -> dict:
     drafter.set_vocab_map(vocab["d2t"], vocab["t2d"])
     drafter.activation_checkpointing = cfg.activation_checkpointing
     model = DrafterTrainStep(drafter, head.float(), cfg)
+    old_resumes = CK.read_json(run_path).get("resumes", []) if resume_tag and world.is_main else []
     run_record = {"format": "eagle3-run", "identity": manifest.identity(), "capture": vars(manifest.capture),
                   "target": vars(manifest.target), "standardize": C.STANDARDIZE_VERSION, "vocab": VOCAB_FILE,
-                  "vocab_meta": vocab["meta"], "drafter": dcfg.to_dict(), "train": cfg.to_dict(),
-                  "world_size": world.world_size, "dumps": [os.path.abspath(d) for d in cfg.dump]}
-    if world.is_main and resume_tag is None:
-        with open(run_path, "w") as f:
-            json.dump(run_record, f, indent=1)
+                  "vocab_meta": vocab["meta"], "vocab_sha256": C.file_sha256(vocab_path), "drafter": dcfg.to_dict(),
+                  "train": cfg.to_dict(), "world_size": world.world_size, "data_sha256": data_sha,
+                  "dumps": [os.path.abspath(d) for d in cfg.dump],
+                  "resumes": D.broadcast_object(old_resumes + ([resumed] if resumed else []))}
 
-    plan = BatchPlan([r.length for r in train_refs], cfg.token_budget, cfg.seed, world.rank, world.world_size)
-    steps_per_epoch = len(plan.epoch(0))
-    total = cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
-    total -= total % cfg.grad_accum
+    def commit_run_dir():
+        if resume_tag is not None:
+            dropped = truncate_metrics(os.path.join(run_dir, METRICS_FILE), resume_rec["step"])
+            if dropped:
+                log(f"[train] {METRICS_FILE}: dropped {dropped} rows past step {resume_rec['step']} (recomputed now)")
+        CK.write_bytes_atomic(run_path, json.dumps(run_record, indent=1).encode())
+    D.run_on_main(commit_run_dir, world)
+
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                             fused=on_gpu or None)
@@ -363,12 +477,18 @@ def train(cfg: TrainConfig) -> dict:
         opt, lr_lambda(cfg.warmup_steps, total // cfg.grad_accum, cfg.min_lr_ratio))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
                                            config=deepspeed_config(cfg, on_gpu))
+    CK.install_safe_engine(engine)
     step = 0
     if resume_tag is not None:
-        _, client = engine.load_checkpoint(os.path.join(run_dir, "checkpoints"), tag=resume_tag)
+        _, client = engine.load_checkpoint(ckpt_root, tag=resume_tag)
+        if client is None or client.get("step") != resume_rec["step"]:
+            raise CK.CheckpointError(f"{resume_dir}: DeepSpeed's state holds step "
+                                     f"{None if client is None else client.get('step')}, the record "
+                                     f"{resume_rec['step']}")
         step = client["step"]
         torch.set_rng_state(torch.tensor(client["rng"]["torch"], dtype=torch.uint8))
-        log(f"[train] resumed {run_dir} at step {step} ({resume_tag})")
+        log(f"[train] resumed {run_dir} at step {step} ({resume_tag})"
+            + (f"; changed: {resumed['changed']}" if resumed["changed"] else ""))
     n_params = sum(p.numel() for p in trainable)
     log(f"[train] drafter {n_params / 1e6:.1f}M trainable params, draft vocab {dcfg.draft_vocab_size}, "
         f"capture HF {manifest.capture.hidden_state_indices}; {len(train_refs)} train / {len(held_refs)} held-out "
@@ -467,7 +587,7 @@ def train(cfg: TrainConfig) -> dict:
             raise SystemExit(f"stopped at step {step} (--stop-after-steps)")
     bar.close()
     metrics.close()
-    log(f"[train] done: {step} steps -> {run_dir}/checkpoints (latest: {_resume_point(run_dir)}"
+    log(f"[train] done: {step} steps -> {run_dir}/checkpoints (latest: {CK.resume_tag(ckpt_root)}"
         + (f", best: step {best['step']}, held-out acceptance length {best['decode_accept_len']:.3f})" if best else ")"))
     if best:
         result["best"] = best
