@@ -57,7 +57,8 @@ core/eagle3_adapters.py `SdpaLikeAdapter.step_view`, modeling/draft/llama3_eagle
 * Optimizer: SpecForge's BF16Optimizer (fp32 master weights, AdamW, global-norm grad clip `--grad-clip`) with OUR
   betas / weight decay (TrainConfig defaults (0.9, 0.95) / 0.0; SpecForge's own AdamW default is (0.9, 0.999));
   its CosineAnnealingWarmupLR (linear warmup (s+1)/W, then cosine over total - W steps) with eta_min = lr *
-  --min-lr-ratio (the same curve as our lr_lambda; SpecForge's BF16Optimizer uses eta_min 0: pass
+  --min-lr-ratio (our trainer now uses transformers' get_cosine_with_min_lr_schedule_with_warmup, whose warmup is
+  s/W: ours runs one warmup step behind SpecForge's (s+1)/W; SpecForge's BF16Optimizer uses eta_min 0: pass
   --min-lr-ratio 0 for that). SpecForge's scheduler hands over from warmup to its recursive CosineAnnealingLR one
   step late (first step after warmup slightly above lr, 1.007 lr at 2 warmup / 20 steps, then one step behind our
   curve): at most 6e-7 lr apart from ours at 20 warmup / 2000 steps; reproduced as is. Initial weights: SpecForge's own (HF init, normal std 0.02), seeded with --seed.

@@ -3,9 +3,9 @@
 
   python bench/train_step.py --out DIR [--tokens 2048,4096,...] [--variants fast,eager,engine] [--peer PEER.py]
 
-Shape (contract §6 and ../shared/bench/peer_specforge_step.py): hidden 7168, 64 heads, 64 kv heads, head_dim 128,
-intermediate 18432, draft vocab 32000, target vocab 163840, 3 aux layers, K = 7, bf16, synthetic hidden states,
-loss mask all ones, one sequence of T tokens per micro-batch.
+Shape (docs/contract.md §10 and ../shared/bench/peer_specforge_step.py): hidden 7168, 64 heads, 64 kv heads,
+head_dim 128, intermediate 18432, draft vocab 32000, target vocab 163840, 3 aux layers, K = 7, bf16, synthetic
+hidden states, loss mask all ones, one sequence of T tokens per micro-batch.
 
 Variants (each: forward + backward of the whole step, timed with CUDA events, median of --iters after 2 warm-ups):
   fast        Eagle3Drafter.ttt_forward(fast=True) + eagle3_loss_fused with the dump-time argmax (draft-row teacher)

@@ -12,9 +12,13 @@ EXAMPLE = "example"
 
 
 def _add_dump(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="target model directory, or 'example' (SmolLM2-135M-Instruct)")
+    p.add_argument("--target", required=True,
+                   help="target model directory, a hub model id already in the local HF cache, or 'example' "
+                        "(SmolLM2-135M-Instruct)")
     p.add_argument("--data", nargs="+", required=True,
-                   help="conversation files (.jsonl/.json/.parquet; ShareGPT or messages), or 'example' (ShareGPT)")
+                   help="conversation files (.jsonl/.json/.parquet; ShareGPT or messages), datasets directories "
+                        "(save_to_disk / load_dataset), hub dataset ids already in the local HF cache, or "
+                        "'example' (ShareGPT)")
     p.add_argument("--out", required=True, help="output directory (shards + manifest.json); rerun to resume")
     p.add_argument("--preset", default=None,
                    help="configs/targets preset (e.g. kimi-k2.5): checks the target and supplies defaults")
@@ -38,13 +42,21 @@ def _add_dump(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_example(target: str | None, data: list[str]) -> tuple[str | None, list[str]]:
-    """'example' stands for the embedded default target/data; anything else is a path."""
+    """'example' stands for the embedded default target/data. Otherwise --target is a model directory or a hub
+    model id in the local HF cache, --data files / dataset directories or hub dataset ids in the local HF cache
+    (offline lookups: the snapshot directory replaces the id; FileNotFoundError naming id and cache if absent)."""
     if target == EXAMPLE:
         from eagle3.dump.example import example_target_dir
         target = example_target_dir()
+    elif target is not None:
+        from eagle3.dump.targets import resolve_target
+        target = resolve_target(target)
     if data == [EXAMPLE]:
         from eagle3.dump.conversations import example_sharegpt_jsonl
         data = [example_sharegpt_jsonl()[0]]
+    elif data:
+        from eagle3.dump.conversations import resolve_data
+        data = resolve_data(data)
     return target, data
 
 
@@ -72,7 +84,8 @@ def _add_regenerate(p: argparse.ArgumentParser) -> None:
     from eagle3.dump.regenerate import BATCHING, REASONING_MODES, RegenConfig
     d = RegenConfig(data=[], out="")
     p.add_argument("--data", nargs="+", required=True,
-                   help="conversation files (.jsonl/.json/.parquet; ShareGPT or messages), or 'example' (ShareGPT)")
+                   help="conversation files (.jsonl/.json/.parquet; ShareGPT or messages), datasets directories, "
+                        "hub dataset ids already in the local HF cache, or 'example' (ShareGPT)")
     p.add_argument("--out", required=True,
                    help="output directory: conversations.jsonl, errors.jsonl, skipped.jsonl, regenerate.json; "
                         "rerun the same command to resume (errors are retried)")
@@ -179,15 +192,12 @@ def cmd_eval(a: argparse.Namespace) -> None:
 
 def cmd_vocab(a: argparse.Namespace) -> None:
     from eagle3.data.dumps import DumpSet, split
-    from eagle3.data.vocab import build_vocab, save_vocab
+    from eagle3.data.vocab import build_vocab, describe_vocab, save_vocab
     ds = DumpSet(a.dump, verify=not a.no_verify, progress=True)
     train, _ = split(ds.refs, a.held_out_fraction, a.seed)
     vocab = build_vocab(ds, train, a.draft_vocab_size, progress=True)
     save_vocab(a.out, vocab)
-    m = vocab["meta"]
-    print(f"draft vocab {m['draft_vocab_size']} of {m['vocab_size']} ids: coverage {m['coverage']:.2%} of "
-          f"{m['counted_tokens']:,} loss-masked tokens in {m['samples']:,} training samples "
-          f"({m['distinct_tokens']:,} distinct) -> {a.out}")
+    print(f"draft vocab {describe_vocab(vocab['meta'])} -> {a.out}")
 
 
 def cmd_inspect(a: argparse.Namespace) -> None:
@@ -267,9 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify", action="store_true", help="skip the shard sha256 check")
     add_split_args(p)
     p.set_defaults(fn=cmd_vocab)
-    p = sub.add_parser("train", help="fit the drafter with DeepSpeed (launch with `deepspeed --module eagle3.train`)")
-    from eagle3.train.config import add_arguments
-    add_arguments(p)
+    from eagle3.train.config import train_parser
+    p = sub.add_parser("train", parents=[train_parser()],
+                       help="fit the drafter with DeepSpeed (launch with `deepspeed --module eagle3.train`)")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("inspect", help="describe and verify a dump directory")
     p.add_argument("path")

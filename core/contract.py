@@ -30,7 +30,7 @@ FINAL_HIDDEN = "final_hidden"
 SAMPLE_OFFSETS = "sample_offsets"
 SAMPLE_INDEX = "sample_index"
 # Optional (dumps since the fast trainer): the target's full-vocab argmax at each token, int32. With it the
-# trainer's teacher multiplies only the draft-vocab rows of the target head (contract §5 needs nothing else).
+# trainer's teacher multiplies only the draft-vocab rows of the target head (docs/contract.md §9 needs nothing else).
 TARGET_ARGMAX = "target_argmax"
 HIDDEN_PREFIX = "hidden_states."
 
@@ -293,7 +293,7 @@ def describe(indices: Sequence[int]) -> str:
 # ============================================================================================ serving rules
 #
 # How a serving engine turns the draft config's `eagle_config.eagle_aux_hidden_state_layer_ids` into the hidden
-# states it captures (contract section 2). ONE table, here; the exporter computes ids with it, the eval stage
+# states it captures (docs/contract.md §7). ONE table, here; the exporter computes ids with it, the eval stage
 # computes what a server will capture with it. A "capture index" c is what ends up in SGLang's
 # `layers_to_capture`: the residual stream entering decoder layer c, i.e. HF index c. SGLang appends the captured
 # states in layer-loop order, so the concatenation order is ascending capture index whatever the id order.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,24 @@ class World:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def free_port() -> int:
+    """A port nothing listens on now: the OS picks it when binding port 0 (on every interface, as torch's TCPStore
+    server listens)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def launcher_env() -> None:
+    """The rendezvous environment torch's env:// init reads. Under torchrun / the deepspeed launcher it is theirs
+    and left as is; a process started without a launcher is a world of one, rendezvousing with itself on a port the
+    OS reports free (a port derived from the PID could be taken by another job on the machine)."""
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(k, v)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
 
 
 def init_world(device: str | None = None) -> World:

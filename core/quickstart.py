@@ -60,13 +60,13 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     import torch
 
     from eagle3.data.dumps import DumpSet, split
-    from eagle3.data.vocab import build_vocab, save_vocab
+    from eagle3.data.vocab import build_vocab, describe_vocab, save_vocab
     from eagle3.dump.conversations import example_sharegpt_jsonl
     from eagle3.dump.example import example_target_dir
     from eagle3.dump.job import DumpConfig, run_dump
     from eagle3.dump.regenerate import CONVERSATIONS, RegenConfig, run_regenerate
     from eagle3.eval.speculative import evaluate
-    from eagle3.export.sglang import export_drafter
+    from eagle3.export.sglang import export_drafter, server_command
     from eagle3.train.config import TrainConfig, load_yaml
     from eagle3.train.trainer import train
 
@@ -170,10 +170,8 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     _stage(7, N, "summary")
     tot = manifest.totals
     ev = train_result.get("best") or train_result.get("eval", {})  # the held-out record of the exported weights
-    server = (f"python -m sglang.launch_server --model-path {os.path.abspath(target)} --speculative-algorithm EAGLE3 "
-              f"--speculative-draft-model-path {os.path.abspath(export_dir)} --speculative-num-steps "
-              f"{q.draft_steps} --speculative-eagle-topk 1 --speculative-num-draft-tokens {q.draft_steps + 1}"
-              + (" --disable-cuda-graph" if prov.get("needs_disable_cuda_graph") else ""))
+    server = server_command("sglang", os.path.abspath(target), os.path.abspath(export_dir),
+                            prov["target"]["model_type"], prov["needs_disable_cuda_graph"], steps=q.draft_steps)
     counts = regen.get("counts", {})
     rows = [
         ("regenerated", f"{counts.get('conversations', '?')} conversations, {counts.get('generated_tokens', 0):,} "
@@ -181,7 +179,7 @@ def run_quickstart(q: QuickstartConfig) -> dict:
                         f"{times['regenerate']:.0f}s)"),
         ("tokens dumped", f"{tot['tokens']:,} in {tot['samples']} conversations ({tot['bytes'] / 2**20:,.0f} MiB), "
                           f"capture HF {manifest.capture.hidden_state_indices}"),
-        ("draft vocab", f"{n_vocab} ids, coverage {vocab['meta']['coverage']:.1%}"),
+        ("draft vocab", describe_vocab(vocab["meta"])),
         ("training", f"{train_result.get('step')} steps, final loss {train_result.get('loss', float('nan')):.3f}"),
         ("train acc_j", " ".join(f"{a:.2f}" for a in train_result.get("acc_j", []))),
         ("held-out acc_j", " ".join(f"{a:.2f}" for a in ev.get("acc_j", [])) or "n/a"),

@@ -61,6 +61,18 @@ def draft_ids(d2t: torch.Tensor) -> torch.Tensor:
     return d2t + torch.arange(d2t.numel(), dtype=torch.int64)
 
 
+def vocab_map_problem(d2t: torch.Tensor, t2d: torch.Tensor) -> str | None:
+    """Why d2t/t2d are not one draft vocabulary (None if they are): draft id i must map to the i-th target id
+    marked in t2d (target_id = draft_id + d2t[draft_id], ascending), which is what vocab_map builds. The vocab file,
+    the drafter and the exporter all check with this (docs/contract.md §5)."""
+    if d2t.dtype != torch.int64 or t2d.dtype != torch.bool or d2t.dim() != 1 or t2d.dim() != 1:
+        return f"d2t/t2d must be 1-d int64/bool, got {d2t.dtype} {tuple(d2t.shape)}, {t2d.dtype} {tuple(t2d.shape)}"
+    if not torch.equal(draft_ids(d2t), t2d.nonzero().squeeze(-1)):
+        return (f"d2t and t2d disagree: draft id i must map to the i-th target id marked in t2d "
+                f"({int(t2d.sum())} marked, {d2t.numel()} draft ids)")
+    return None
+
+
 def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
     total = int(counts.sum())
     return float(counts[t2d].sum()) / total if total else 0.0
@@ -77,6 +89,14 @@ def build_vocab(dumps: DumpSet, refs: list[SampleRef], n: int, progress: bool = 
     return {"d2t": d2t, "t2d": t2d, "meta": meta}
 
 
+def describe_vocab(meta: dict) -> str:
+    """One line on a built vocabulary (its size and what it covers), as the vocab command, the trainer and the
+    quickstart report it."""
+    return (f"{meta['draft_vocab_size']} of {meta['vocab_size']} ids: coverage {meta['coverage']:.2%} of "
+            f"{meta['counted_tokens']:,} loss-masked tokens in {meta['samples']:,} training samples "
+            f"({meta['distinct_tokens']:,} distinct)")
+
+
 def save_vocab(path: str, vocab: dict) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     save_file({"d2t": vocab["d2t"], "t2d": vocab["t2d"]}, tmp,
@@ -88,6 +108,7 @@ def load_vocab(path: str) -> dict:
     with safe_open(path, "pt") as f:
         meta = json.loads((f.metadata() or {}).get("eagle3_vocab", "{}"))
         d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
-    if not torch.equal(vocab_map(draft_ids(d2t), t2d.numel())[1], t2d):
-        raise C.ContractError(f"{path}: d2t and t2d disagree")
+    problem = vocab_map_problem(d2t, t2d)
+    if problem:
+        raise C.ContractError(f"{path}: {problem}")
     return {"d2t": d2t, "t2d": t2d, "meta": meta}

@@ -58,7 +58,7 @@ class HiddenStateCapture:
         if missing:
             raise ContractError(f"capture hooks did not fire for {missing}")
         if self.head is not None:
-            # The teacher's full-vocab argmax, in row chunks so [rows, vocab] logits stay small (contract §5).
+            # The teacher's full-vocab argmax, in row chunks so [rows, vocab] logits stay small (docs/contract.md §9).
             final = self.states["final"]
             rows = final.reshape(-1, final.shape[-1])
             am = torch.cat([_tensor_of(self.head(c)).argmax(-1) for c in rows.split(self.head_chunk)])

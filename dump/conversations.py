@@ -3,6 +3,9 @@
 Input files (read with HF ``datasets``):
 
 * ``.jsonl`` / ``.json`` (JSON lines, or one JSON array of records) and ``.parquet``;
+* a ``datasets`` directory: ``Dataset.save_to_disk`` output (``load_from_disk``) or a directory
+  ``load_dataset`` reads (data files, a hub snapshot); split ``train`` or the only one.  A hub dataset id
+  already in the local Hugging Face cache becomes its snapshot directory (``resolve_data``, offline);
 * each record is ShareGPT ``{"conversations": [{"from": ..., "value": ...}, ...]}`` or OpenAI-style
   ``{"messages": [{"role": ..., "content": ...}, ...]}`` (when a record has both keys, ``messages`` wins);
 * roles: human/user -> user; gpt/assistant/chatgpt/bard/bing/model -> assistant; system -> system
@@ -15,7 +18,12 @@ Input files (read with HF ``datasets``):
 Record locations ("origins") are ``path:LINE`` (1-based line) for JSON lines and ``path:record K`` (0-based
 position) for JSON arrays and parquet.
 
-Loss mask (any chat template, no per-template rules):
+Loss mask (any chat template, no per-template rules).  A template that marks the assistant's output with
+``{% generation %}`` blocks gives it in one rendering: ``apply_chat_template(..., return_dict=True,
+return_assistant_tokens_mask=True)``.  Those masks are brought to the semantics below (one block per
+assistant turn, else the prefix method is used; a leading assistant turn stays unmasked; each block ends right
+after its last end-of-turn token, or takes the end-of-turn token right after it), see ``_generation_mask``.
+Every other template (most shipped ones) uses prefix rendering:
 
 1. ``T = apply_chat_template(messages)``; tokenize ``T`` once with ``add_special_tokens=False`` (templates
    write BOS themselves) and ``return_offsets_mapping=True`` (fast tokenizers only).
@@ -53,6 +61,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import weakref
@@ -182,11 +191,61 @@ def _load_hf(kind: str, path: str):
     return load_dataset(kind, data_files=path, split="train")
 
 
+def _load_dataset_dir(path: str):
+    """A `datasets` dataset from a directory: `save_to_disk` output (state.json / dataset_dict.json) through
+    `load_from_disk`, else whatever `load_dataset(path)` reads (data files, a hub snapshot). Split: the
+    Dataset itself, else 'train', else the only split."""
+    from datasets import DatasetDict, load_dataset, load_from_disk
+    saved = any(os.path.isfile(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json"))
+    how = "datasets.load_from_disk" if saved else "datasets.load_dataset"
+    try:
+        ds = load_from_disk(path) if saved else load_dataset(path)
+    except Exception as e:  # noqa: BLE001 - any reader failure is bad input
+        raise DataError(f"{path}: cannot read it as a dataset directory with {how}: {type(e).__name__}: {e}") from e
+    if isinstance(ds, DatasetDict):
+        if "train" in ds:
+            ds = ds["train"]
+        elif len(ds) == 1:
+            ds = next(iter(ds.values()))
+        else:
+            raise DataError(f"{path}: {how} found the splits {sorted(ds)} and none is 'train'; pass one split "
+                            f"(for a save_to_disk directory: {path}/<split>)")
+    return ds
+
+
+def data_sha256(path: str) -> str:
+    """sha256 of a data file, or of a dataset directory (its files' relative paths and sha256, in order; hidden
+    files such as locks are left out): what the manifest's data fingerprint records."""
+    from eagle3.contract import canonical_json, file_sha256, sha256_bytes
+    if not os.path.isdir(path):
+        return file_sha256(path)
+    rows = []
+    for root, dirs, files in os.walk(path, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            if not name.startswith("."):
+                full = os.path.join(root, name)
+                rows.append([os.path.relpath(full, path), file_sha256(full)])
+    return sha256_bytes(canonical_json(rows))
+
+
+def resolve_data(entries) -> list[str]:
+    """--data entries: files and dataset directories as given; anything else is a hub dataset id looked up in
+    the local Hugging Face cache (offline), giving its snapshot directory. FileNotFoundError naming the entry
+    and the cache when it is in neither place."""
+    from eagle3.dump.targets import hub_snapshot
+    return [p if os.path.exists(p) else hub_snapshot(p, "dataset", "--data") for p in _as_path_list(entries)]
+
+
 def _iter_records(path: str) -> Iterator[tuple[str, Any]]:
+    if os.path.isdir(path):
+        for k, rec in enumerate(_load_dataset_dir(path)):
+            yield f"{path}:record {k}", rec
+        return
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".jsonl", ".json", ".parquet"):
         raise DataError(f"{path}: unsupported file extension {ext or '(none)'!r}; "
-                        "expected .jsonl, .json or .parquet")
+                        "expected .jsonl, .json, .parquet or a dataset directory")
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
     if ext == ".parquet":
@@ -398,13 +457,68 @@ def _assistant_span(tokenizer, text: str, messages: list[dict], i: int) -> tuple
     return "assistant content not found where the partial rendering puts it"
 
 
-def _render_and_mask(tokenizer, messages: list[dict], max_length: int | None,
-                     stats: collections.Counter | None = None) -> tuple[list[int], list[int]]:
-    if not messages:
-        raise SkipSample("empty")
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if not turns:
-        raise SkipSample("no_assistant")
+# transformers' own test for "this template marks the assistant's tokens" (render_jinja_template)
+_GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
+MASK_METHODS = ("auto", "generation", "prefix")
+
+
+def has_generation_blocks(tokenizer) -> bool:
+    """Whether the chat template wraps assistant output in ``{% generation %}`` blocks (then transformers'
+    ``return_assistant_tokens_mask`` gives the assistant tokens in one rendering, no prefix rendering needed)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and bool(_GENERATION_TAG.search(template))
+
+
+def _generation_mask(tokenizer, messages: list[dict], turns: list[int],
+                     stats: collections.Counter | None) -> tuple[list[int], list[int]] | str:
+    """(input_ids, full mask) from the template's generation blocks, or a string saying why they cannot be used.
+
+    Normalised to the prefix method's semantics: one block per assistant turn (else unusable: we could not tell
+    which block is which turn), a leading assistant turn (no prompt) is not masked, and each block's mask ends
+    right after its last end-of-turn token -- or takes the end-of-turn token right after the block when the
+    template leaves it outside. One difference is accepted: transformers masks a token that merely overlaps a
+    block, the prefix method only one that starts in the span. They differ only for a token straddling the
+    header and the content (a header ending in a space BPE merges with the first word: ' Hello'), which the
+    prefix method leaves out and this one masks (the model does predict it); the golden templates have none."""
+    try:
+        enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True, add_generation_prompt=False)
+    except Exception as e:  # noqa: BLE001 - jinja TemplateError from raise_exception, TypeError, ...
+        raise SkipSample("template_rejected", f"{type(e).__name__}: {e}") from None
+    ids, raw = list(enc["input_ids"]), list(enc["assistant_masks"])
+    blocks, lo = [], None  # maximal runs of masked tokens, [lo, hi)
+    for t, m in enumerate(raw + [0]):
+        if m and lo is None:
+            lo = t
+        elif not m and lo is not None:
+            blocks.append((lo, t))
+            lo = None
+    if len(blocks) != len(turns):
+        return f"{len(blocks)} generation blocks for {len(turns)} assistant turns"
+    end_ids = end_of_turn_ids(tokenizer)
+    mask = [0] * len(ids)
+    for (lo, hi), i in zip(blocks, turns):
+        if i == 0:
+            continue  # no prompt before it: never masked (as in the prefix method)
+        ends = [t for t in range(lo, hi) if ids[t] in end_ids]
+        if ends:
+            hi = ends[-1] + 1
+        elif hi < len(ids) and ids[hi] in end_ids:
+            hi += 1
+        mask[lo:hi] = [1] * (hi - lo)
+    if stats is not None:
+        stats["assistant_turns"] += len(turns)
+        if turns[0] == 0:
+            stats["assistant_turns_unmasked"] += 1
+            stats["unmasked: leading assistant turn"] += 1
+    if not any(mask):
+        raise SkipSample("mask_alignment_failed", "no generation block after a prompt")
+    return ids, mask
+
+
+def _prefix_mask(tokenizer, messages: list[dict], turns: list[int],
+                 stats: collections.Counter | None) -> tuple[list[int], list[int]]:
+    """(input_ids, full mask) by rendering prefixes of the conversation (module docstring, steps 1-4)."""
     try:
         text = _render(tokenizer, messages, False)
     except Exception as e:  # noqa: BLE001 - jinja TemplateError from raise_exception, TypeError, ...
@@ -429,8 +543,7 @@ def _render_and_mask(tokenizer, messages: list[dict], max_length: int | None,
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(enc["input_ids"])
     starts = [a for a, _b in enc["offset_mapping"]]  # non-decreasing
-    n_keep = len(input_ids) if max_length is None else min(len(input_ids), max_length)
-    mask = [0] * n_keep
+    mask = [0] * len(input_ids)
     end_ids = end_of_turn_ids(tokenizer)
     any_token = False
     for a, b in spans:
@@ -442,24 +555,52 @@ def _render_and_mask(tokenizer, messages: list[dict], max_length: int | None,
             if input_ids[t] in end_ids:
                 hi = t + 1
                 break
-        hi = min(hi, n_keep)
-        if lo < hi:
-            mask[lo:hi] = [1] * (hi - lo)
+        mask[lo:hi] = [1] * (hi - lo)
     if not any_token:
         raise SkipSample("mask_alignment_failed", "no token starts inside an assistant span")
-    input_ids = input_ids[:n_keep]
+    return input_ids, mask
+
+
+def _render_and_mask(tokenizer, messages: list[dict], max_length: int | None,
+                     stats: collections.Counter | None = None, method: str = "auto") -> tuple[list[int], list[int]]:
+    if method not in MASK_METHODS:
+        raise ValueError(f"mask method {method!r}: choose one of {MASK_METHODS}")
+    if not messages:
+        raise SkipSample("empty")
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not turns:
+        raise SkipSample("no_assistant")
+    got: tuple[list[int], list[int]] | str = "the template has no {% generation %} blocks"
+    if method != "prefix" and has_generation_blocks(tokenizer):
+        got = _generation_mask(tokenizer, messages, turns, stats)
+    if isinstance(got, str):
+        if method == "generation":
+            raise SkipSample("mask_alignment_failed", got)
+        if stats is not None and has_generation_blocks(tokenizer):
+            stats["masks_generation_unusable"] += 1  # e.g. a template marking only some turns
+        got = _prefix_mask(tokenizer, messages, turns, stats)
+        if stats is not None:
+            stats["masks_by_prefix"] += 1
+    elif stats is not None:
+        stats["masks_by_generation"] += 1
+    input_ids, mask = got
+    if max_length is not None and len(input_ids) > max_length:  # keep the head
+        input_ids, mask = input_ids[:max_length], mask[:max_length]
     if not any(mask):
         raise SkipSample("no_loss_tokens_after_truncation")
     return input_ids, mask
 
 
-def render_and_mask(tokenizer, messages: list[dict], max_length: int | None) -> tuple[list[int], list[int]]:
+def render_and_mask(tokenizer, messages: list[dict], max_length: int | None, method: str = "auto"
+                    ) -> tuple[list[int], list[int]]:
     """Render with the tokenizer's chat template; loss mask = 1 exactly on assistant-produced tokens.
 
+    method: "auto" (generation blocks where the template has them and they line up with the assistant turns,
+    else prefix rendering), "generation" or "prefix" (one method only; tests compare them).
     Raises SkipSample (with .reason) when the conversation yields no trainable token, ValueError when the
     tokenizer is not fast or has no chat template."""
     _check_tokenizer(tokenizer)
-    return _render_and_mask(tokenizer, messages, max_length)
+    return _render_and_mask(tokenizer, messages, max_length, method=method)
 
 
 def load_samples(paths, tokenizer, max_length=None, num_samples=None, progress=True, file_starts=None
@@ -499,6 +640,11 @@ def load_samples(paths, tokenizer, max_length=None, num_samples=None, progress=T
     for reason in ("template_rejected", "mask_alignment_failed"):
         if skipped[reason]:
             logger.warning("%d records skipped as %s; first: %s", skipped[reason], reason, first_detail[reason])
+    # Which method made the masks (the manifest has no field for it; the log says it).
+    logger.info("loss masks: %d from the chat template's {%% generation %%} blocks, %d by prefix rendering%s",
+                stats["masks_by_generation"], stats["masks_by_prefix"],
+                f" ({stats['masks_generation_unusable']} where the generation blocks did not match the assistant "
+                "turns)" if stats["masks_generation_unusable"] else "")
     if stats["assistant_turns_unmasked"]:
         detail = {k[len("unmasked: "):]: v for k, v in stats.items() if k.startswith("unmasked: ")}
         logger.info("%d of %d assistant turns left unmasked: %s", stats["assistant_turns_unmasked"],

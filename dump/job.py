@@ -218,7 +218,7 @@ def _prepare_out_dir(out: str, manifest: DumpManifest, plan_hash: str, shard_met
 
 
 def run_dump(cfg: DumpConfig) -> DumpManifest:
-    from eagle3.dump.conversations import load_samples
+    from eagle3.dump.conversations import data_sha256, load_samples
 
     # Everything that can be refused is refused before the model loads (the arguments: DumpConfig itself).
     dtype = T.DTYPES[cfg.dtype]
@@ -249,7 +249,7 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
     # The data's bytes: a resumed run compares content, not only the lengths the plan hash covers (an edit in
     # place keeps them); and across dumps, (file sha256, record) names a sample (data.dumps refuses repeats).
     manifest.data_fingerprint = C.data_fingerprint(
-        [(f, C.file_sha256(f), file_starts[i] if i < len(file_starts) else None)
+        [(f, data_sha256(f), file_starts[i] if i < len(file_starts) else None)  # a file or a dataset dir
          for i, f in enumerate(manifest.data_files)])
     manifest.skipped = dict(sorted(skipped.items()))
     if not samples:

@@ -982,7 +982,8 @@ def run_regenerate(cfg: RegenConfig) -> dict:
                        "batching": resolve_batching(cfg.batching, world.device), "world_size": world.world_size}
     is_main = world is None or world.is_main
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if is_main else (lambda *a: None)
-    inputs = [{"file": os.path.abspath(p), "sha256": C.file_sha256(p) if os.path.isfile(p) else None}
+    from eagle3.dump.conversations import data_sha256  # a file or a dataset directory
+    inputs = [{"file": os.path.abspath(p), "sha256": data_sha256(p) if os.path.exists(p) else None}
               for p in cfg.data]
     items, skipped, read = read_items(cfg.data, cfg.num_samples, cfg.max_turns)
     if target is None:

@@ -34,6 +34,33 @@ class Backbone:
     embed_tokens: nn.Module
 
 
+def hub_snapshot(repo_id: str, repo_type: str | None, what: str) -> str:
+    """The local snapshot directory of a hub repo already in the Hugging Face cache (never downloads: the
+    machines that dump often cannot reach the hub). FileNotFoundError naming the repo and the cache otherwise."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    where = f"the local Hugging Face hub cache {constants.HF_HUB_CACHE} (HF_HUB_CACHE / HF_HOME)"
+    try:
+        return snapshot_download(repo_id, repo_type=repo_type, local_files_only=True)
+    except HFValidationError:
+        raise FileNotFoundError(f"{what} {repo_id}: no such file or directory (nor a valid hub id to look up in "
+                                f"{where})") from None
+    except LocalEntryNotFoundError:
+        kind = "dataset" if repo_type == "dataset" else "model"
+        raise FileNotFoundError(f"{what} {repo_id}: no such file or directory, and no {kind} {repo_id!r} "
+                                f"(revision main) in {where}; download it first on a machine that can reach the "
+                                "hub, or pass a local path") from None
+
+
+def resolve_target(target: str) -> str:
+    """A target directory as given, else a hub model id looked up in the local HF cache (its snapshot dir)."""
+    if os.path.isdir(target):
+        return target
+    if os.path.exists(target):
+        raise TargetError(f"--target {target}: not a directory (expected a transformers model directory)")
+    return hub_snapshot(target, None, "--target")
+
+
 def read_config(target_dir: str) -> dict:
     path = os.path.join(target_dir, "config.json")
     if not os.path.isfile(path):

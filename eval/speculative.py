@@ -37,13 +37,10 @@ def load_drafter_from_export(export_dir: str, target_embedding: torch.Tensor, dt
                              device: torch.device, allow_foreign: bool = False, export=None):
     """An Eagle3Drafter built from the export alone (plus the target's embedding, which SGLang shares).
     `export`: load_export's result when the caller has it already (read and verified once)."""
-    from eagle3.export.sglang import load_export
-    from eagle3.train.drafter import DrafterConfig, Eagle3Drafter
-    config, tensors, _ = export or load_export(export_dir, allow_foreign=allow_foreign)
-    fields = {f for f in DrafterConfig.__dataclass_fields__}
-    d = {k: v for k, v in config.items() if k in fields}
-    d["num_aux_layers"] = tensors["fc.weight"].shape[1] // config["target_hidden_size"]
-    drafter = Eagle3Drafter(DrafterConfig(**d))
+    from eagle3.export.sglang import export_drafter_config, load_export
+    from eagle3.train.drafter import Eagle3Drafter
+    config, tensors, prov = export or load_export(export_dir, allow_foreign=allow_foreign)
+    drafter = Eagle3Drafter(export_drafter_config(config, prov, export_dir))
     missing, unexpected = drafter.load_state_dict(tensors, strict=False)
     if set(missing) != {"embed_tokens.weight"} or unexpected:
         raise ValueError(f"{export_dir}: export does not fit the drafter (missing {missing}, unexpected {unexpected})")

@@ -1,4 +1,4 @@
-"""Export a trained drafter as the checkpoint SGLang's `LlamaForCausalLMEagle3` loads (contract sections 2-3).
+"""Export a trained drafter as the checkpoint SGLang's `LlamaForCausalLMEagle3` loads (docs/contract.md §6-§7).
 
     eagle3 export-sglang --run RUN --out DIR [--step N] [--sglang-version 0.5.23] [--engine sglang|vllm]
 
@@ -6,7 +6,8 @@ DIR/ holds
   config.json              every key SGLang reads, set explicitly; eagle_config.eagle_aux_hidden_state_layer_ids
                            computed from the checkpoint's recorded capture with the serving rules of
                            `eagle3.contract` for the target family and the SGLang release targeted;
-  model.safetensors        exactly the section-3 names (fc, midlayer.*, norm, lm_head in bf16; d2t int64; t2d bool);
+  model.safetensors        exactly the tensors of docs/contract.md §6 (fc, midlayer.*, norm, lm_head in bf16;
+                           d2t int64; t2d bool);
   eagle3_provenance.json   what was exported from where, for which engine/release, and what that server captures.
 
 Everything is checked before anything is written; the files go to a temporary directory that is renamed into place,
@@ -90,37 +91,10 @@ def find_checkpoint(run_dir: str, step: int | str | None = None) -> tuple[str, i
     return os.path.join(root, done[-1]), int(done[-1][4:])
 
 
-def expected_shapes(*, hidden_size: int, num_attention_heads: int, num_key_value_heads: int, head_dim: int,
-                    intermediate_size: int, vocab_size: int, draft_vocab_size: int, target_hidden_size: int,
-                    num_aux_layers: int) -> dict[str, tuple[int, ...]]:
-    """Shape of every tensor SGLang's LlamaForCausalLMEagle3 loads (contract section 3)."""
-    H, I = hidden_size, intermediate_size
-    q, kv = num_attention_heads * head_dim, num_key_value_heads * head_dim
-    return {
-        "fc.weight": (H, num_aux_layers * target_hidden_size),
-        "midlayer.input_layernorm.weight": (H,),
-        "midlayer.hidden_norm.weight": (H,),
-        "midlayer.self_attn.q_proj.weight": (q, 2 * H),
-        "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
-        "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
-        "midlayer.self_attn.o_proj.weight": (H, q),
-        "midlayer.post_attention_layernorm.weight": (H,),
-        "midlayer.mlp.gate_proj.weight": (I, H),
-        "midlayer.mlp.up_proj.weight": (I, H),
-        "midlayer.mlp.down_proj.weight": (H, I),
-        "norm.weight": (H,),
-        "lm_head.weight": (draft_vocab_size, H),
-        "d2t": (draft_vocab_size,),
-        "t2d": (vocab_size,),
-    }
-
-
 def check_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], source: str,
                   float_dtype: torch.dtype | None = None) -> None:
     """Exactly the expected names, shapes and dtypes (floats: any float, or `float_dtype`; d2t int64; t2d bool),
     finite weights, and d2t consistent with t2d. ContractError naming every problem otherwise."""
-    from eagle3.train.drafter import EXPORT_KEYS
-    assert set(shapes) == set(EXPORT_KEYS)
     problems = []
     missing, unknown = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
     if missing:
@@ -145,12 +119,11 @@ def check_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int,
             problems.append(f"{name}: holds NaN or inf")
     d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
     if (d2t is not None and t2d is not None and d2t.dtype == torch.int64 and t2d.dtype == torch.bool
-            and d2t.dim() == 1 and t2d.dim() == 1):
-        target_ids = torch.arange(d2t.numel()) + d2t
-        marked = t2d.nonzero().squeeze(-1)
-        if not torch.equal(target_ids, marked):
-            problems.append(f"d2t and t2d disagree: draft id i must map to the i-th target id marked in t2d "
-                            f"({int(t2d.sum())} marked, {d2t.numel()} draft ids)")
+            and d2t.dim() == 1 and t2d.dim() == 1):  # wrong dtypes or ranks are reported above already
+        from eagle3.data.vocab import vocab_map_problem
+        problem = vocab_map_problem(d2t, t2d)
+        if problem:
+            problems.append(problem)
     if problems:
         raise C.ContractError(f"{source}: does not fit SGLang's {ARCHITECTURE}:\n  " + "\n  ".join(problems))
 
@@ -159,7 +132,7 @@ def _load_run(run_dir: str, step: int | None):
     """(run record, checkpoint record, checkpoint dir, step, DrafterConfig, capture, TargetInfo, weights)."""
     from safetensors.torch import load_file
     from eagle3.train.checkpoint import check_files
-    from eagle3.train.drafter import DrafterConfig
+    from eagle3.train.drafter import DrafterConfig, tensor_shapes
     from eagle3.train.trainer import CKPT_FILE, RUN_FILE, VOCAB_FILE, WEIGHTS_FILE as DRAFTER_WEIGHTS
 
     run = C.read_json(os.path.join(run_dir, RUN_FILE))
@@ -195,7 +168,7 @@ def _load_run(run_dir: str, step: int | None):
                               f"!= target hidden_size/vocab_size {target.hidden_size}/{target.vocab_size}")
     check_files(ckpt_dir, rec, [DRAFTER_WEIGHTS])  # the bytes the trainer wrote: a flipped bit is refused here
     weights = load_file(os.path.join(ckpt_dir, DRAFTER_WEIGHTS))
-    check_tensors(weights, expected_shapes(**_shape_args(dcfg)), f"{ckpt_dir}/{DRAFTER_WEIGHTS}")
+    check_tensors(weights, tensor_shapes(dcfg), f"{ckpt_dir}/{DRAFTER_WEIGHTS}")
     vocab_path = os.path.join(run_dir, VOCAB_FILE)
     if os.path.isfile(vocab_path):
         from safetensors import safe_open
@@ -206,18 +179,10 @@ def _load_run(run_dir: str, step: int | None):
     return run, rec, ckpt_dir, step, dcfg, capture, target, weights
 
 
-def _shape_args(dcfg) -> dict:
-    return dict(hidden_size=dcfg.hidden_size, num_attention_heads=dcfg.num_attention_heads,
-                num_key_value_heads=dcfg.num_key_value_heads, head_dim=dcfg.head_dim,
-                intermediate_size=dcfg.intermediate_size, vocab_size=dcfg.vocab_size,
-                draft_vocab_size=dcfg.draft_vocab_size, target_hidden_size=dcfg.target_hidden_size,
-                num_aux_layers=dcfg.num_aux_layers)
-
-
 # ---------------------------------------------------------------------------------------------- the export
 
 def draft_config(dcfg, ids: list[int]) -> dict:
-    """config.json of the exported drafter: every key SGLang (and vLLM) read, explicit (contract section 3)."""
+    """config.json of the exported drafter: every key SGLang (and vLLM) read, explicit (docs/contract.md §6)."""
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -242,16 +207,20 @@ def draft_config(dcfg, ids: list[int]) -> dict:
     }
 
 
+SERVE_DRAFT_STEPS = 3  # the export's hint: a chain of 3, the length published acceptance lengths are quoted at
+
+
 def server_command(engine: str, target_path: str, export_dir: str, model_type: str = "",
-                   disable_cuda_graph: bool = False) -> str:
-    """The launch line hint for the exported drafter (chain drafting, 3 steps)."""
+                   disable_cuda_graph: bool = False, steps: int = SERVE_DRAFT_STEPS) -> str:
+    """The launch line that serves the target with the exported drafter, chain drafting `steps` tokens (top-1,
+    so steps + 1 tokens verified per round)."""
     q = shlex.quote
     if engine == "vllm":
-        spec = json.dumps({"method": "eagle3", "model": export_dir, "num_speculative_tokens": 3})
+        spec = json.dumps({"method": "eagle3", "model": export_dir, "num_speculative_tokens": steps})
         return f"vllm serve {q(target_path)} --speculative-config {q(spec)}"
     cmd = (f"python -m sglang.launch_server --model-path {q(target_path)} --speculative-algorithm EAGLE3 "
-           f"--speculative-draft-model-path {q(export_dir)} --speculative-num-steps 3 --speculative-eagle-topk 1 "
-           f"--speculative-num-draft-tokens 4")
+           f"--speculative-draft-model-path {q(export_dir)} --speculative-num-steps {steps} "
+           f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1}")
     if model_type in ("kimi_k2", "kimi_k25"):
         cmd += " --trust-remote-code"
     if disable_cuda_graph:
@@ -275,7 +244,7 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
     """Export checkpoint `step` (default: the latest) of training run `run_dir` into `out_dir`; returns the
     provenance written to out_dir/eagle3_provenance.json."""
     from safetensors.torch import save_file
-    from eagle3.train.drafter import EXPORT_KEYS
+    from eagle3.train.drafter import tensor_shapes
 
     if engine not in ENGINES:
         raise ExportError(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -316,9 +285,9 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
     if served != capture:  # the forward rule of the engine gives back exactly what the drafter was trained on
         raise C.ContractError(f"internal: ids {ids} make {engine} capture {served}, not the trained HF {capture}")
 
+    shapes = tensor_shapes(dcfg)
     tensors = {k: (weights[k].to(EXPORT_DTYPE) if weights[k].is_floating_point() else weights[k]).contiguous()
-               for k in EXPORT_KEYS}
-    shapes = expected_shapes(**_shape_args(dcfg))
+               for k in shapes}
     check_tensors(tensors, shapes, "the converted tensors", float_dtype=EXPORT_DTYPE)
     config = draft_config(dcfg, ids)
     provenance = {
@@ -447,11 +416,39 @@ def _verify_weights(export_dir: str, prov: dict) -> None:
                               "(corrupted or modified after the export); re-export")
 
 
+def export_num_aux_layers(config: dict, prov: dict | None, where: str = CONFIG_FILE) -> int:
+    """How many target hidden states the server concatenates into fc: those its forward rule captures with
+    config.json's ids (docs/contract.md §7); for an export without provenance, one per id. The one rule for an
+    export's num_aux_layers: load_export checks fc against it, eval builds its drafter with it."""
+    if prov is None:
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if not ids:  # the server's default set then depends on the target; nothing here to check fc against
+            raise C.ContractError(f"{where}: no eagle_config.eagle_aux_hidden_state_layer_ids and no "
+                                  f"{PROVENANCE_FILE}: set the ids explicitly")
+        return len(ids)
+    target = prov["target"]
+    return len(_served_capture(config, prov["engine"], target["model_type"], prov.get("sglang_release"),
+                               target["num_hidden_layers"]))
+
+
+def export_drafter_config(config: dict, prov: dict | None, where: str = CONFIG_FILE):
+    """The DrafterConfig of an export (the inverse of draft_config): config.json's fields, num_aux_layers by
+    export_num_aux_layers. ContractError when config.json lacks a field or holds one the drafter cannot take."""
+    from dataclasses import fields
+    from eagle3.train.drafter import DrafterConfig
+    names = {f.name for f in fields(DrafterConfig)} - {"num_aux_layers"}
+    num_aux = export_num_aux_layers(config, prov, where)
+    try:
+        return DrafterConfig(**{k: v for k, v in config.items() if k in names}, num_aux_layers=num_aux)
+    except (TypeError, ValueError, NotImplementedError) as e:
+        raise C.ContractError(f"{where}: not a drafter config ({e})") from e
+
+
 def load_export(export_dir: str, allow_foreign: bool = False) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
     """(config, tensors, provenance) of an export, after checking, in this order: model.safetensors' sha256
     against the provenance; that config.json's ids make the provenance's server capture exactly the states the
-    drafter was trained on; every tensor's name, dtype and shape against config.json (fc's in-features = number
-    of ids x target_hidden_size). `allow_foreign` (a drafter from elsewhere) accepts an export without provenance
+    drafter was trained on; every tensor's name, dtype and shape against config.json (fc's in-features = the
+    number of states the server captures x target_hidden_size, export_num_aux_layers). `allow_foreign` (a drafter from elsewhere) accepts an export without provenance
     (provenance None; only the shapes are checked) and turns disagreeing ids into a warning."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -461,28 +458,16 @@ def load_export(export_dir: str, allow_foreign: bool = False) -> tuple[dict, dic
     prov = _read_provenance(export_dir, allow_foreign)
     if prov is not None:
         _verify_weights(export_dir, prov)
-        num_aux = len(_check_ids_against_provenance(export_dir, config, prov, allow_foreign))
-    else:
-        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if not ids:  # the server's default set then depends on the target; nothing here to check fc against
-            raise C.ContractError(f"{export_dir}/{CONFIG_FILE}: no eagle_config.eagle_aux_hidden_state_layer_ids "
-                                  f"and no {PROVENANCE_FILE}: set the ids explicitly")
-        num_aux = len(ids)
+        _check_ids_against_provenance(export_dir, config, prov, allow_foreign)
+    dcfg = export_drafter_config(config, prov, f"{export_dir}/{CONFIG_FILE}")
     weights = os.path.join(export_dir, WEIGHTS_FILE)
     try:
         tensors = load_file(weights)
     except (SafetensorError, OSError) as e:
         raise C.ContractError(f"{weights}: cannot be read as safetensors ({e})") from e
-    try:
-        shapes = expected_shapes(
-            hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
-            num_key_value_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
-            intermediate_size=config["intermediate_size"], vocab_size=config["vocab_size"],
-            draft_vocab_size=config["draft_vocab_size"], target_hidden_size=config["target_hidden_size"],
-            num_aux_layers=num_aux)
-    except KeyError as e:
-        raise C.ContractError(f"{export_dir}/{CONFIG_FILE}: lacks {e}") from e
-    check_tensors(tensors, shapes, f"{weights} (shapes from {CONFIG_FILE}, {num_aux} aux hidden states)",
+    from eagle3.train.drafter import tensor_shapes
+    check_tensors(tensors, tensor_shapes(dcfg),
+                  f"{weights} (shapes from {CONFIG_FILE}, {dcfg.num_aux_layers} aux hidden states)",
                   float_dtype=EXPORT_DTYPE)
     return config, tensors, prov
 

@@ -162,6 +162,113 @@ def test_tokenizer_requirements():
         render_and_mask(Slow(), CONV, None)
 
 
+# ------------------------------------------------------------------------------------------ {% generation %} masks
+
+# Each golden template with {% generation %} markers added around the assistant's output, placed the ways real
+# templates place them: content + end-of-turn + the newline after it (chatml: the mask must still end at
+# <|im_end|>), content + end-of-turn (llama3, kimi), content only with the end-of-turn outside (deepseek).
+_GENERATION_EDITS = {
+    "chatml": ("{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}",
+               "{% if message['role'] == 'assistant' %}{{'<|im_start|>assistant\n'}}{% generation %}"
+               "{{ message['content'] + '<|im_end|>' + '\n' }}{% endgeneration %}{% else %}"
+               "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endif %}"),
+    "llama3": (r"{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim"
+               r" + '<|eot_id|>' }}",
+               r"{%- if message['role'] == 'assistant' %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+               r"{% generation %}{{- message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}{%- else %}"
+               r"{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim"
+               r" + '<|eot_id|>' }}{%- endif %}"),
+    "deepseek": ("{{'<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}",
+                 "{{'<｜Assistant｜>'}}{% generation %}{{message['content']}}{% endgeneration %}"
+                 "{{'<｜end▁of▁sentence｜>'}}"),
+    "kimi": ("{{- message['content'] + '<|im_end|>' -}}",
+             "{%- if message['role'] == 'assistant' -%}{% generation %}{{- message['content'] + '<|im_end|>' -}}"
+             "{% endgeneration %}{%- else -%}{{- message['content'] + '<|im_end|>' -}}{%- endif -%}"),
+}
+
+
+def with_generation_blocks(template):
+    tok = make_tokenizer(template)
+    old, new = _GENERATION_EDITS[template]
+    assert tok.chat_template.count(old) == 1, template  # the edit really applies to the golden template
+    tok.chat_template = tok.chat_template.replace(old, new)
+    assert C.has_generation_blocks(tok) and not C.has_generation_blocks(make_tokenizer(template))
+    return tok
+
+
+GENERATION_CONVS = [
+    CONV,
+    CONV[1:],                                                              # no system turn
+    [{"role": "assistant", "content": "Earlier answer."}] + CONV[1:],      # leading assistant turn: unmasked
+    CONV[:3] + [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is Paris."}] + CONV[3:],
+]
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_generation_blocks_and_prefix_rendering_agree(template):
+    marked, plain = with_generation_blocks(template), make_tokenizer(template)
+    for conv in GENERATION_CONVS:
+        ref = render_and_mask(plain, conv, None, method="prefix")
+        assert render_and_mask(marked, conv, None, method="prefix") == ref  # the markers change no text
+        gen = render_and_mask(marked, conv, None, method="generation")
+        assert gen == ref, (template, conv, runs(marked, *gen), runs(plain, *ref))
+        assert render_and_mask(marked, conv, None) == ref  # auto
+        first = ref[1].index(1)
+        for k in (first + 1, first + 2, len(ref[0]) - 1):  # truncation keeps the head, as before
+            assert render_and_mask(marked, conv, k, method="generation") == (ref[0][:k], ref[1][:k])
+    ids, mask = render_and_mask(marked, CONV, None, method="generation")
+    assert runs(marked, ids, mask) == GOLDEN_MASKED[template]
+
+
+def test_auto_method_prefers_generation_blocks(tmp_path, monkeypatch):
+    marked = with_generation_blocks("chatml")
+    path = write_jsonl(tmp_path / "d.jsonl", [OPENAI, OPENAI])
+    ref, _ = load_samples([path], make_tokenizer("chatml"), progress=False)
+
+    def no_prefix(*a, **k):
+        raise AssertionError("prefix rendering used although the template has generation blocks")
+    monkeypatch.setattr(C, "_prefix_mask", no_prefix)
+    samples, skipped = load_samples([path], marked, progress=False)
+    assert not skipped and [(s.input_ids, s.loss_mask) for s in samples] == [(s.input_ids, s.loss_mask) for s in ref]
+    with pytest.raises(ValueError, match="mask method"):
+        render_and_mask(marked, CONV, None, method="spans")
+
+
+def test_generation_blocks_mask_a_token_straddling_header_and_content():
+    """The one accepted difference: a header ending in a space that BPE merges with the content's first word
+    (' Hello'). transformers masks a token overlapping the block; the prefix method only tokens starting in the
+    span, so it leaves that token out."""
+    tok = make_tokenizer("chatml")
+    tok.chat_template = (
+        "{%- for m in messages %}{%- if m.role == 'assistant' %}{{- 'Assistant: ' }}{% generation %}"
+        "{{- m.content + '<|im_end|>' }}{% endgeneration %}{%- else %}{{- 'User: ' + m.content + '<|im_end|>' }}"
+        "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- 'Assistant: ' }}{%- endif %}")
+    conv = CONV[1:3]
+    gen, pre = render_and_mask(tok, conv, None, method="generation"), render_and_mask(tok, conv, None, method="prefix")
+    assert gen[0] == pre[0]
+    assert runs(tok, *gen) == [" Hello there!<|im_end|>"] and runs(tok, *pre) == [" there!<|im_end|>"]
+    assert render_and_mask(tok, conv, None) == gen  # auto: the template's own marking wins
+
+
+def test_generation_blocks_not_one_per_turn_fall_back_to_prefix():
+    """A template marking only the last assistant turn: the blocks cannot be matched to the turns."""
+    tok = make_tokenizer("chatml")
+    tok.chat_template = (
+        "{%- for m in messages %}{%- if m.role == 'assistant' and loop.last %}{{- '<|im_start|>assistant\\n' }}"
+        "{% generation %}{{- m.content + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+        "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    with pytest.raises(SkipSample, match="1 generation blocks for 2 assistant turns"):
+        render_and_mask(tok, CONV, None, method="generation")
+    ids, mask = render_and_mask(tok, CONV, None)
+    assert (ids, mask) == render_and_mask(tok, CONV, None, method="prefix")
+    assert runs(tok, ids, mask) == ["Hello there!<|im_end|>", "Bye!<|im_end|>"]
+    # one turn, one block: the generation path applies
+    assert render_and_mask(tok, CONV[:3], None, method="generation") == render_and_mask(tok, CONV[:3], None,
+                                                                                       method="prefix")
+
+
 # ------------------------------------------------------------------------------------------ formats
 
 def test_sharegpt_messages_and_text_parts_agree(tmp_path, chatml):
@@ -200,6 +307,51 @@ def test_parquet_and_json_array_inputs(tmp_path, chatml):
     ref = render_and_mask(chatml, CONV, None)
     assert [s.sample_index for s in samples] == [0, 1, 2, 4] and skipped == collections.Counter(empty=1)
     assert all((s.input_ids, s.loss_mask) == ref for s in samples)
+
+
+def test_datasets_directories(tmp_path, chatml):
+    """save_to_disk output (a Dataset, a DatasetDict) and a directory load_dataset reads give the same samples
+    as the JSON lines file, with origins naming the directory and record."""
+    from datasets import Dataset, DatasetDict
+    # one schema per dataset (Dataset.from_list takes its columns from the first record)
+    records = [OPENAI, {"messages": CONV[1:3]}, {"messages": []}, OPENAI]
+    ref_path = write_jsonl(tmp_path / "ref.jsonl", records)
+    ref, ref_skipped = load_samples([ref_path], chatml, progress=False)
+    saved, splits, files = tmp_path / "saved", tmp_path / "splits", tmp_path / "files"
+    Dataset.from_list(records).save_to_disk(str(saved))
+    DatasetDict({"train": Dataset.from_list(records), "test": Dataset.from_list(records[:1])}).save_to_disk(str(splits))
+    files.mkdir()
+    write_jsonl(files / "part.jsonl", records)
+    for d in (saved, splits, files):
+        got = list(read_conversations([str(d)]))
+        assert [o for _, o, _ in got] == [f"{d}:record {k}" for k in range(len(records))]
+        samples, skipped = load_samples([str(d)], chatml, progress=False)
+        assert skipped == ref_skipped == collections.Counter(empty=1)
+        assert [(s.sample_index, s.input_ids, s.loss_mask) for s in samples] == \
+            [(s.sample_index, s.input_ids, s.loss_mask) for s in ref]
+    # the fingerprint of a directory follows its bytes
+    before = C.data_sha256(str(files))
+    assert before == C.data_sha256(str(files)) and C.data_sha256(ref_path) != before
+    write_jsonl(files / "part.jsonl", records[:3])
+    assert C.data_sha256(str(files)) != before
+
+
+def test_datasets_directory_errors(tmp_path):
+    from datasets import Dataset, DatasetDict
+    d = tmp_path / "two"
+    DatasetDict({"a": Dataset.from_list([OPENAI]), "b": Dataset.from_list([OPENAI])}).save_to_disk(str(d))
+    with pytest.raises(DataError, match=rf"{d}: datasets.load_from_disk found the splits \['a', 'b'\] and none is "
+                                        rf"'train'; pass one split \(for a save_to_disk directory: {d}/<split>\)"):
+        list(read_conversations([str(d)]))
+    assert [m for _, _, m in read_conversations([str(d / "b")])] == [CONV]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match=rf"{empty}: cannot read it as a dataset directory with datasets.load_dataset"):
+        list(read_conversations([str(empty)]))
+    bad = tmp_path / "bad"
+    Dataset.from_list([OPENAI, {"messages": [{"role": "wizard", "content": "x"}]}]).save_to_disk(str(bad))
+    with pytest.raises(DataError, match=rf"{bad}:record 1: turn 0 has unknown role 'wizard'"):
+        list(read_conversations([str(bad)]))
 
 
 # ------------------------------------------------------------------------------------------ skips, indices, length

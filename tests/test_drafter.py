@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter against independent, naive float64 implementations of contract §3-§5."""
+"""The EAGLE-3 drafter against independent, naive float64 implementations of docs/contract.md §6, §8 and §9."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from eagle3.train.drafter import DrafterConfig, Eagle3Drafter, attention_causal_plus_diagonal, rope_inv_freq
+from eagle3.train.drafter import (EXPORT_KEYS, DrafterConfig, Eagle3Drafter, attention_causal_plus_diagonal,
+                                  rope_inv_freq, tensor_shapes)
 
 # head_dim 12 != hidden/heads (8), GQA 4/2, target hidden 24 != hidden 32, small theta so rotations matter.
 CFG = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=48,
@@ -33,7 +34,7 @@ def make_drafter(seed=0, dtype=torch.float64, **over) -> Eagle3Drafter:
     return d
 
 
-# ------------------------------------------------------------------------------------------- naive §4 pieces
+# ------------------------------------------------------------------------- naive pieces (docs/contract.md §8)
 
 def n_rms(x, w, eps):
     return w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
@@ -166,6 +167,9 @@ def test_state_dict_keys_and_shapes():
     assert not d.embed_tokens.weight.requires_grad
     assert all(p.requires_grad for n, p in d.named_parameters() if not n.startswith("embed_tokens"))
     assert not any("inv_freq" in k for k in sd)
+    # tensor_shapes (what the exporter and its checks read) is exactly the model's own export state dict
+    assert {k: tuple(v.shape) for k, v in d.export_state_dict().items()} == tensor_shapes(c)
+    assert tuple(tensor_shapes(c)) == EXPORT_KEYS
 
 
 def test_config_roundtrip_and_validation():
@@ -209,7 +213,8 @@ def test_llama3_rope_matches_transformers():
 
 
 def test_single_step_matches_naive():
-    """forward_step over a whole prefix (the step-0 'extend') == naive §4, and draft_logits == lm_head(norm(m))."""
+    """forward_step over a whole prefix (the step-0 'extend') == naive docs/contract.md §8, and
+    draft_logits == lm_head(norm(m))."""
     d = make_drafter()
     W, cfg = weights(d), d.config
     aux, ids, _ = batch(d, B=1, T=9, lengths=(9,))

@@ -342,6 +342,58 @@ def test_cli_dump_and_clear_error(tiny_targets, convs, tmp_path):
     assert r.returncode == 2 and "0 < k < 6" in r.stderr
 
 
+def _hub_cache_entry(cache, kind, repo_id, rev="0123456789abcdef0123456789abcdef01234567"):
+    """The Hugging Face hub cache layout by hand (no network): <kind>s--org--name/snapshots/<rev>/ + refs/main."""
+    root = cache / f"{kind}s--{repo_id.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(rev)
+    return root / "snapshots" / rev
+
+
+def test_cli_dump_reads_datasets_dirs_and_hub_ids_from_the_local_cache(tiny_targets, convs, tmp_path):
+    """--target a hub model id and --data a save_to_disk directory + a hub dataset id, all offline from a local
+    cache: the dump holds the same samples as one of the JSON lines file and the target directory."""
+    import shutil
+    from datasets import Dataset
+    from eagle3.dump.conversations import load_samples
+    from eagle3.dump.targets import load_tokenizer
+    hub = tmp_path / "hub"
+    model_dir = _hub_cache_entry(hub, "model", "tiny-org/tiny-llama")
+    shutil.copytree(tiny_targets["llama"], model_dir)
+    with open(convs) as f:
+        records = [json.loads(line) for line in f]
+    saved = tmp_path / "saved"
+    Dataset.from_list(records[:5]).save_to_disk(str(saved))
+    data_dir = _hub_cache_entry(hub, "dataset", "tiny-org/chats")
+    (data_dir / "data").mkdir(parents=True)
+    (data_dir / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[5:]))
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1",
+               HF_DATASETS_CACHE=str(tmp_path / "datasets-cache"), OMP_NUM_THREADS="1")
+
+    def cli(target, *data, out="d"):
+        return subprocess.run([sys.executable, "-m", "eagle3.cli", "dump", "--target", target, "--data", *data,
+                               "--out", str(tmp_path / out), "--no-progress", "--dtype", "fp32"],
+                              capture_output=True, text=True, env=env)
+    r = cli("tiny-org/tiny-llama", str(saved), "tiny-org/chats")
+    assert r.returncode == 0, r.stderr[-3000:]
+    samples, m = read_dump(str(tmp_path / "d"))
+    assert m.target.path == str(model_dir) and m.data_files == [str(saved), str(data_dir)]
+    assert all(len(f["sha256"]) == 64 for f in m.data_fingerprint["files"])
+    ref, _ = load_samples([convs], load_tokenizer(tiny_targets["llama"]), max_length=2048, progress=False)
+    assert sorted(samples) == [s.sample_index for s in ref] and len(ref) == len(records)
+    for s in ref:
+        assert samples[s.sample_index][C.INPUT_IDS].tolist() == s.input_ids
+        assert samples[s.sample_index][C.LOSS_MASK].tolist() == s.loss_mask
+
+    # not there: the error names what was looked for and where, no traceback
+    r = cli("tiny-org/missing", str(saved), out="e")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"--target tiny-org/missing: no such file or directory, and no model 'tiny-org/missing' (revision main) " \
+           f"in the local Hugging Face hub cache {hub}" in r.stderr
+    r = cli("tiny-org/tiny-llama", "tiny-org/no-chats", out="e")
+    assert r.returncode == 2 and "no dataset 'tiny-org/no-chats' (revision main)" in r.stderr, r.stderr[-3000:]
+
+
 def test_preset_mismatch_is_refused(tiny_targets, convs, tmp_path):
     r = subprocess.run([sys.executable, "-m", "eagle3.cli", "dump", "--preset", "kimi-k2.5", "--target",
                         tiny_targets["kimi_k25"], "--data", convs, "--out", str(tmp_path / "d")],

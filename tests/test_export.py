@@ -1,4 +1,4 @@
-"""The serving rules (contract section 2) and the SGLang/vLLM export of a trained drafter (section 3)."""
+"""The serving rules (docs/contract.md §7) and the SGLang/vLLM export of a trained drafter (§6)."""
 
 import json
 import os
@@ -13,8 +13,8 @@ from eagle3.train.drafter import EXPORT_KEYS
 
 # ============================================================================================ the rules table
 
-# One case per row of the section-2 table: (model_type, releases of the row, L, ids, capture they give, ids the
-# inverse picks for that capture).
+# One case per row of the docs/contract.md §7 table: (model_type, releases of the row, L, ids, capture they give,
+# ids the inverse picks for that capture).
 TABLE_ROWS = {
     "llama.py / qwen*: c = id + 1, all releases":
         ("llama", ("0.4.9", "0.5.23"), 32, [2, 16, 29], [3, 17, 30], [2, 16, 29]),
@@ -473,3 +473,14 @@ def test_export_shapes_are_checked_against_its_config(tiny_run, tmp_path):
     _set_ids(out, [0, 2, 3])
     config, tensors, prov = load_export(out, allow_foreign=True)
     assert prov is None and tensors["fc.weight"].shape == (64, 192)
+
+
+def test_server_command_serves_the_given_chain():
+    """One launch line for export (default chain) and quickstart (its own chain length)."""
+    from eagle3.export.sglang import SERVE_DRAFT_STEPS, server_command
+    line = server_command("sglang", "/m/target", "/m/draft", steps=5)
+    assert "--speculative-num-steps 5 " in line and line.endswith("--speculative-num-draft-tokens 6")
+    assert "--speculative-draft-model-path /m/draft" in line and "--model-path /m/target" in line
+    assert f"--speculative-num-steps {SERVE_DRAFT_STEPS} " in server_command("sglang", "/t", "/d")
+    assert server_command("sglang", "/t", "/d", "kimi_k25", True).endswith("--trust-remote-code --disable-cuda-graph")
+    assert '"num_speculative_tokens": 5' in server_command("vllm", "/t", "/d", steps=5)

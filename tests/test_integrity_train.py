@@ -4,6 +4,7 @@ a world of one)."""
 
 import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -136,6 +137,12 @@ def test_resume_may_extend_the_run_records_that_and_recomputes_metrics_after_the
     # the same data in the same order: step 5 (weights of step 4, the batch of step 5) computes the same loss again
     assert rows[4]["loss"] == pytest.approx(killed[4]["loss"], rel=1e-6)
     assert [r["step"] for r in metrics(run, "eval")] == [2, 4, 6, 7]
+    # the lr schedule (warm-up 2, cosine to 0.1 x 3e-3) continues: on the 6-step curve up to the checkpoint, on the
+    # 7-step curve after it (the logged lr is the one the next step uses)
+    def lr(step, total):
+        return 3e-3 * (step / 2 if step < 2 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - 2) / (total - 2))))
+    assert [r["lr"] for r in rows] == pytest.approx([lr(s, 6) for s in range(1, 5)] + [lr(s, 7) for s in (5, 6, 7)],
+                                                    rel=1e-9)
     rec = json.load(open(os.path.join(run, "run.json")))
     assert rec["train"]["max_steps"] == 7
     assert rec["resumes"] == [{"step": 4, "from": "step00000004",

@@ -1,4 +1,4 @@
-"""Teacher, EAGLE-3 TTT loss and metrics against naive float64 references (contract §5)."""
+"""Teacher, EAGLE-3 TTT loss and metrics against naive float64 references (docs/contract.md §9)."""
 
 from __future__ import annotations
 

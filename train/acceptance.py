@@ -6,7 +6,7 @@ accepts a chain only up to its first miss and restarts right after the target's 
 marginals (`loss.acceptance_length`) overstates it. This module replays the decoder exactly instead.
 
 On target-written (greedy) data the TTT unroll IS the chain the decoder drafts: step j at position t reads the data
-token t+1+j, which is what the decoder feeds back when drafts 0..j-1 were accepted (contract §5). So
+token t+1+j, which is what the decoder feeds back when drafts 0..j-1 were accepted (docs/contract.md §9). So
   hit[t, j] = (draft argmax at step j, position t, mapped to a target id) == (target's full-vocab argmax at t+1+j)
 and a walk over each assistant turn reproduces `eagle3 eval`'s rounds: the prompt ends at P-1, the target produces
 the turn's first token at P, the first round drafts from t = P-1, a round accepting n drafts emits n+1 tokens and the

@@ -1,4 +1,9 @@
-"""Typed training configuration: dataclass defaults < configs/train/*.yaml < command-line flags."""
+"""Typed training configuration: dataclass defaults < configs/train/*.yaml (--config) < command-line flags.
+
+The flags are made from the dataclass by transformers' HfArgumentParser (each field's `help=` metadata is its help
+text), so a new option is one field here. Every flag's parsed default is None: a value is taken from the command line
+only when it was given there, so a --config preset fills whatever the command line leaves out.
+"""
 
 from __future__ import annotations
 
@@ -9,49 +14,68 @@ from dataclasses import dataclass, field
 
 import yaml
 
+REPORTERS = ("wandb", "tensorboard")  # --report-to names: train/trainer.py's TRACKERS
+
+
+def _opt(default=None, help: str = "", **kw):
+    """A field with its flag's help text (read by HfArgumentParser from the field metadata)."""
+    if "default_factory" in kw:
+        return field(default_factory=kw.pop("default_factory"), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
 
 @dataclass
 class TrainConfig:
-    dump: list[str] = field(default_factory=list)   # dump directories (same capture contract)
-    target: str = ""                                 # target model directory (embedding + lm_head are read)
-    out: str = "runs/train"
-    drafter: str = "auto"          # configs/drafters preset, or 'auto' (derived from the target)
-    draft_vocab_size: int | None = None             # default: the drafter preset's
-    vocab: str | None = None       # a vocab file from `eagle3 vocab`; computed from the training split if absent
-    zero_stage: int = 2
-    bf16: bool = True
-    max_steps: int | None = None   # micro-steps; default: epochs x steps per epoch
-    epochs: float = 1.0
-    token_budget: int = 8192       # padded tokens per micro-batch per rank
-    grad_accum: int = 1
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 0.5
-    ttt_steps: int = 7
-    step_decay: float = 0.8
-    held_out_fraction: float = 0.02
-    seed: int = 0
-    save_interval: int = 500
-    keep_checkpoints: int = 2
-    eval_interval: int = 250
-    eval_batches: int = 20
-    accept_steps: int | None = None    # chain length of the held-out decoding replay (default: ttt_steps)
-    accept_max_new_tokens: int | None = None  # replay: stop each turn after this many tokens, as eval does
-    keep_best: bool = True         # checkpoints/best: the weights with the best held-out decoding acceptance
-    log_interval: int = 10         # steps pooled per metrics line (the only host sync of the loop)
-    num_workers: int = 2
-    activation_checkpointing: str = "none"  # none | mlp (recompute gate/up) | step (recompute whole TTT steps)
-    fast_path: bool = True         # train/kernels.py forward + fused loss (ZeRO 0-2; ZeRO-3 uses the plain path)
-    attention_kernel: str = "auto"  # fast path CUDA attention: auto | cudnn | flash (kernels.py)
-    resume: bool = False
-    wandb_project: str = "eagle3"
-    wandb_mode: str | None = None  # None: offline unless logged in; 'disabled' turns it off
-    teacher_chunk_tokens: int = 4096
-    progress: bool = True
-    stop_after_steps: int | None = None  # testing aid: exit after this many steps as if killed
+    # ---- data, target, output
+    dump: list[str] = _opt(default_factory=list, help="dump directories (eagle3 dump --out); several must share one "
+                                                      "capture contract (target, indices, tokenizer)")
+    target: str = _opt("", "target model directory (only its embedding and lm_head are read)")
+    out: str = _opt("runs/train", "run directory: run.json, metrics.jsonl, checkpoints/, tensorboard/")
+    drafter: str = _opt("auto", "configs/drafters preset, or 'auto' (the target's own attention/MLP shape)")
+    draft_vocab_size: int | None = _opt(None, "draft vocabulary size (default: the drafter preset's)")
+    vocab: str | None = _opt(None, "a vocab file from `eagle3 vocab` (default: computed from the training split)")
+    # ---- optimisation
+    zero_stage: int = _opt(2, "DeepSpeed ZeRO stage 0-3 (configs/deepspeed/zeroN.json; 3 uses the plain path)")
+    bf16: bool = _opt(True, "train in bf16 (--no-bf16: fp32)")
+    max_steps: int | None = _opt(None, "micro-steps to train (default: --epochs x steps per epoch)")
+    epochs: float = _opt(1.0, "passes over the training split (when --max-steps is not given)")
+    token_budget: int = _opt(8192, "padded tokens per micro-batch per rank (samples are length-grouped)")
+    grad_accum: int = _opt(1, "micro-batches per optimizer step")
+    lr: float = _opt(1e-4, "peak learning rate (AdamW)")
+    min_lr_ratio: float = _opt(0.1, "the cosine schedule ends at lr x this")
+    warmup_steps: int = _opt(50, "optimizer steps of linear warm-up before the cosine decay")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    betas: tuple[float, float] = _opt((0.9, 0.95), "AdamW betas, e.g. 0.9,0.95")
+    grad_clip: float = _opt(0.5, "gradient-norm clipping")
+    ttt_steps: int = _opt(7, "training-time-test unroll: draft steps K trained per position")
+    step_decay: float = _opt(0.8, "loss weight of draft step j is step_decay**j")
+    held_out_fraction: float = _opt(0.02, "share of samples (by sample_index) kept out of training for evaluation")
+    seed: int = _opt(0, "seed of the split, the batch order and the initial weights")
+    # ---- checkpoints and evaluation
+    save_interval: int = _opt(500, "save a checkpoint every this many micro-steps (and at the end)")
+    keep_checkpoints: int = _opt(2, "interval checkpoints kept (older ones are deleted)")
+    eval_interval: int = _opt(250, "held-out evaluation every this many micro-steps (and at the end)")
+    eval_batches: int = _opt(20, "held-out batches per evaluation")
+    accept_steps: int | None = _opt(None, "chain length of the held-out decoding replay (default: --ttt-steps)")
+    accept_max_new_tokens: int | None = _opt(None, "replay: stop each turn after this many tokens, as eval does")
+    keep_best: bool = _opt(True, "keep checkpoints/best: the weights with the best held-out decoding acceptance")
+    # ---- speed and memory
+    log_interval: int = _opt(10, "steps pooled per metrics line (the only host sync of the loop)")
+    num_workers: int = _opt(2, "data-loader worker processes")
+    activation_checkpointing: str = _opt("none", "none | mlp (recompute gate/up) | step (recompute whole TTT "
+                                                 "steps; needs the fast path)")
+    fast_path: bool = _opt(True, "train/kernels.py forward + fused loss (ZeRO 0-2; ZeRO-3 uses the plain path)")
+    attention_kernel: str = _opt("auto", "fast path CUDA attention: auto | cudnn | flash (train/kernels.py)")
+    teacher_chunk_tokens: int = _opt(4096, "tokens per chunk of the teacher's lm_head (bounds its memory)")
+    # ---- run control and logging
+    resume: bool = _opt(False, "continue the run in --out from checkpoints/latest (same data order and split)")
+    report_to: str = _opt("wandb", "trackers, comma-separated: wandb, tensorboard (RUN/tensorboard/), or none; "
+                                   "metrics.jsonl is always written")
+    wandb_project: str = _opt("eagle3", "wandb project")
+    wandb_mode: str | None = _opt(None, "wandb mode: online | offline | disabled (default: $WANDB_MODE, else "
+                                        "offline unless logged in); disabled drops wandb from --report-to")
+    progress: bool = _opt(True, "progress bar (--no-progress: off)")
+    stop_after_steps: int | None = _opt(None, "testing aid: exit after this many steps as if killed")
 
     def __post_init__(self):
         from eagle3.train.drafter import checkpointing_mode
@@ -59,37 +83,52 @@ class TrainConfig:
         self.activation_checkpointing = checkpointing_mode(self.activation_checkpointing)
         if self.attention_kernel not in CUDA_ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel {self.attention_kernel!r}: expected one of {CUDA_ATTENTION_KERNELS}")
+        self.reporters()  # refuse an unknown tracker before anything starts
+
+    def reporters(self) -> list[str]:
+        """--report-to as a list of tracker names ([] for 'none')."""
+        names = [n.strip() for n in str(self.report_to).split(",") if n.strip() and n.strip() != "none"]
+        bad = [n for n in names if n not in REPORTERS]
+        if bad:
+            raise ValueError(f"--report-to {self.report_to!r}: unknown {bad}; expected a comma-separated subset of "
+                             f"{', '.join(REPORTERS)}, or none")
+        return names
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def _parse_value(f: dataclasses.Field, text: str):
-    t = f.type if isinstance(f.type, str) else str(f.type)
-    if "list[str]" in t:
-        return text
-    if t.startswith("bool"):
-        return text
-    if "tuple" in t:
-        return tuple(float(x) for x in text.split(","))
-    if t.startswith("int"):
-        return int(text)
-    if t.startswith("float"):
-        return float(text)
-    return text
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--config", default=None, help="configs/train preset name or a YAML file")
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "dump":
-            ap.add_argument(flag, nargs="+", default=None)
-        elif str(f.type).startswith("bool"):
-            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+def train_parser() -> argparse.ArgumentParser:
+    """The train flags, as a parent parser for `eagle3 train` (and through it `deepspeed --module eagle3.train`)."""
+    from transformers import HfArgumentParser
+    ap = HfArgumentParser(TrainConfig, add_help=False)
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    # HfArgumentParser adds --no-X only for flags that default to True; the old BooleanOptionalAction flags had both
+    for name, f in fields.items():
+        if f.default is False:
+            ap.add_argument(f"--no-{name.replace('_', '-')}", dest=name, action="store_false")
+    for action in ap._actions:
+        f = fields.get(action.dest)
+        if f is None:
+            continue
+        action.option_strings.sort(key=lambda o: "_" in o)  # --warmup-steps first (README's spelling)
+        if action.option_strings[0].startswith("--no-"):
+            action.help = f"turn off --{f.name.replace('_', '-')}"
         else:
-            ap.add_argument(flag, default=None, type=lambda s, f=f: _parse_value(f, s))
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            shown = "default" in f.metadata["help"] or default in (None, "", [])
+            action.help = f.metadata["help"] + ("" if shown else f" (default: {default})")
+        if f.name == "betas":
+            action.type = _floats  # one argument "0.9,0.95", as before (HfArgumentParser would call tuple(text))
+    ap.set_defaults(**{name: None for name in fields})  # None = not given: a --config preset may fill it
+    ap.add_argument("--config", default=None, help="configs/train preset name or a YAML file (its keys are the "
+                                                   "options below, with underscores); flags override it")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
+    return ap
 
 
 def load_yaml(name_or_path: str) -> dict:

@@ -1,6 +1,6 @@
 """The EAGLE-3 drafter: SGLang's `LlamaForCausalLMEagle3`, one decoder layer, parameter names = checkpoint keys.
 
-Structure and forward follow docs/contract §3-§4 (EAGLE3_CONTRACT.md):
+Structure and forward follow docs/contract.md §6 and §8:
 
     e = embed_target(token)                       # frozen, the target's own embedding (not exported)
     h = fc(cat(aux_low, aux_mid, aux_high))       # step 0 only; later steps feed back the draft's own m
@@ -10,10 +10,11 @@ Structure and forward follow docs/contract §3-§4 (EAGLE3_CONTRACT.md):
     m = mlp(post_attention_layernorm(r)) + r
     logits = lm_head(norm(m))                     # draft vocab; next h = m
 
-`state_dict()` minus `embed_tokens.weight` is exactly the key set SGLang loads (§3); `EXPORT_KEYS` lists it.
+`state_dict()` minus `embed_tokens.weight` is exactly the key set SGLang loads (docs/contract.md §6);
+`tensor_shapes` gives it with the shapes.
 
 Two entry points:
-  * `ttt_forward` (= `forward`): the training-time test (§5), K unrolled steps over whole sequences;
+  * `ttt_forward` (= `forward`): the training-time test (docs/contract.md §9), K unrolled steps over whole sequences;
   * `forward_step`: one draft step over a block of new positions with an explicit KV cache, i.e. what inference
     does (prefix extend at step 0, then one token per draft step). Tests prove the two agree.
 Logits are not computed by either: `draft_logits(m)` does it, and the loss calls it in chunks.
@@ -29,25 +30,6 @@ import torch
 import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
-
-# The checkpoint keys SGLang's LlamaForCausalLMEagle3 loads (contract §3), in a stable order.
-EXPORT_KEYS: tuple[str, ...] = (
-    "fc.weight",
-    "midlayer.input_layernorm.weight",
-    "midlayer.hidden_norm.weight",
-    "midlayer.self_attn.q_proj.weight",
-    "midlayer.self_attn.k_proj.weight",
-    "midlayer.self_attn.v_proj.weight",
-    "midlayer.self_attn.o_proj.weight",
-    "midlayer.post_attention_layernorm.weight",
-    "midlayer.mlp.gate_proj.weight",
-    "midlayer.mlp.up_proj.weight",
-    "midlayer.mlp.down_proj.weight",
-    "norm.weight",
-    "lm_head.weight",
-    "d2t",
-    "t2d",
-)
 
 _ACTIVATIONS = {"silu": F.silu}
 _ROPE_TYPES = ("default", "linear", "llama3")
@@ -108,6 +90,37 @@ class DrafterConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+def tensor_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """{checkpoint key: shape} of every tensor SGLang's LlamaForCausalLMEagle3 loads (docs/contract.md §6), in a
+    stable order: `Eagle3Drafter(c).export_state_dict()` exactly (tests hold the two together). The exporter
+    and the export checks read names and shapes from here."""
+    H, I, d = c.hidden_size, c.intermediate_size, c.head_dim
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    return {
+        "fc.weight": (H, c.num_aux_layers * c.target_hidden_size),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, q),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.mlp.gate_proj.weight": (I, H),
+        "midlayer.mlp.up_proj.weight": (I, H),
+        "midlayer.mlp.down_proj.weight": (H, I),
+        "norm.weight": (H,),
+        "lm_head.weight": (c.draft_vocab_size, H),
+        "d2t": (c.draft_vocab_size,),
+        "t2d": (c.vocab_size,),
+    }
+
+
+# The key names alone, for checks that have no config at hand (they do not depend on it).
+EXPORT_KEYS: tuple[str, ...] = tuple(tensor_shapes(DrafterConfig(
+    hidden_size=2, num_attention_heads=1, num_key_value_heads=1, intermediate_size=1, vocab_size=1,
+    draft_vocab_size=1, target_hidden_size=1)))
+
+
 def _rope_type(rope_scaling: dict | None) -> str:
     if not rope_scaling:
         return "default"
@@ -145,7 +158,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
-def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """[B, kv_heads, S, d] -> [B, kv_heads * n_rep, S, d]; query head h uses kv head h // n_rep (as HF/SGLang)."""
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
@@ -253,8 +266,8 @@ def attention_causal_plus_diagonal(q, k0, v0, diag_k: Sequence[torch.Tensor], di
     dtype = q.dtype
     acc = torch.promote_types(dtype, torch.float32)
 
-    dk = _repeat_kv(torch.stack(list(diag_k), dim=2), n_rep)  # [B, nh, j, T, d]
-    dv = _repeat_kv(torch.stack(list(diag_v), dim=2), n_rep)
+    dk = repeat_kv(torch.stack(list(diag_k), dim=2), n_rep)  # [B, nh, j, T, d]
+    dv = repeat_kv(torch.stack(list(diag_v), dim=2), n_rep)
     s = torch.einsum("bhtd,bhitd->bhit", q.to(acc), dk.to(acc)) * scale  # [B, nh, j, T]
     lse_d = torch.logsumexp(s, dim=2)  # [B, nh, T]
     o_d = torch.einsum("bhit,bhitd->bhtd", torch.softmax(s, dim=2), dv.to(acc))  # [B, nh, T, d]
@@ -275,7 +288,7 @@ def attention_causal_plus_diagonal(q, k0, v0, diag_k: Sequence[torch.Tensor], di
     vx = v0.new_zeros(B, nkv, T + 1, d + pad)
     vx[:, :, 1:, :d] = v0
     vx[:, :, 0, d] = 1
-    o = F.scaled_dot_product_attention(qx, _repeat_kv(kx, n_rep), _repeat_kv(vx, n_rep), is_causal=True,
+    o = F.scaled_dot_product_attention(qx, repeat_kv(kx, n_rep), repeat_kv(vx, n_rep), is_causal=True,
                                        scale=scale)[:, :, 1:]
     return (o[..., :d].to(acc) + o[..., d:d + 1].to(acc) * o_d).to(dtype)
 
@@ -308,9 +321,10 @@ class Eagle3Drafter(nn.Module):
         if d2t.shape != (c.draft_vocab_size,) or t2d.shape != (c.vocab_size,):
             raise ValueError(f"vocab map shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)}; expected "
                              f"({c.draft_vocab_size},), ({c.vocab_size},)")
-        ids = torch.arange(c.draft_vocab_size) + d2t
-        if not torch.equal(ids, t2d.nonzero().squeeze(-1)):
-            raise ValueError("d2t and t2d disagree: draft ids must map to the ascending target ids where t2d is True")
+        from eagle3.data.vocab import vocab_map_problem
+        problem = vocab_map_problem(d2t, t2d)
+        if problem:
+            raise ValueError(problem)
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
@@ -324,7 +338,7 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
-        """The tensors SGLang loads (§3), i.e. state_dict() minus embed_tokens."""
+        """The tensors SGLang loads (docs/contract.md §6), i.e. state_dict() minus embed_tokens."""
         sd = self.state_dict()
         return {k: sd[k] for k in EXPORT_KEYS}
 
@@ -373,7 +387,7 @@ class Eagle3Drafter(nn.Module):
             k = torch.cat([past_kv[0], k], dim=2)
             v = torch.cat([past_kv[1], v], dim=2)
         S, P = q.shape[2], k.shape[2] - q.shape[2]
-        kr, vr = _repeat_kv(k, attn.n_rep), _repeat_kv(v, attn.n_rep)
+        kr, vr = repeat_kv(k, attn.n_rep), repeat_kv(v, attn.n_rep)
         if P == 0:
             o = F.scaled_dot_product_attention(q, kr, vr, is_causal=True, scale=attn.scale)
         elif S == 1:
@@ -389,7 +403,8 @@ class Eagle3Drafter(nn.Module):
     def ttt_forward(self, hidden_state: torch.Tensor, input_ids: torch.Tensor,
                     attention_mask: torch.Tensor | None = None, steps: int = 7,
                     position_ids: torch.Tensor | None = None, fast: bool = False) -> list[torch.Tensor]:
-        """Unroll `steps` draft steps over whole sequences (contract §5). Returns [m_0, ..., m_{K-1}], each [B, T, H].
+        """Unroll `steps` draft steps over whole sequences (docs/contract.md §9).
+        Returns [m_0, ..., m_{K-1}], each [B, T, H].
 
         hidden_state [B, T, num_aux * Ht] (aux states, ascending HF index), input_ids [B, T], attention_mask [B, T]
         (1 real, 0 right padding; None = all real), position_ids [B, T] (default arange).
@@ -430,7 +445,7 @@ class Eagle3Drafter(nn.Module):
             q, k, v = attn.qkv(x, cos, sin)
             if j == 0:
                 k0, v0 = k, v
-                o = F.scaled_dot_product_attention(q, _repeat_kv(k, attn.n_rep), _repeat_kv(v, attn.n_rep),
+                o = F.scaled_dot_product_attention(q, repeat_kv(k, attn.n_rep), repeat_kv(v, attn.n_rep),
                                                    is_causal=True, scale=attn.scale)
             else:
                 diag_k.append(k)

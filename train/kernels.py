@@ -4,10 +4,10 @@ on the CPU; bench/train_step.py on the GPU), but saves fewer activations and syn
 
 * `rms_norm`: saves the input and one fp32 rstd per row (the plain module keeps two fp32 copies of the input).
 * `silu_mul`: silu(gate) * up from the fused [.., 2I] gate_up output, saving only that output.
-* `causal_plus_diagonal`: TTT attention (contract §5) as one fused causal-attention call (cuDNN or FlashAttention-2
-  on CUDA, torch's flash kernel on the CPU) over the step-0 keys plus the diagonal keys merged by log-sum-exp.
-  Backward re-uses the fused kernel's own backward: called with the MERGED output
-  and MERGED log-sum-exp, it yields exactly the step-0 keys' share of the gradient (the kernel uses `out` only for
+* `causal_plus_diagonal`: TTT attention (docs/contract.md §9) as one fused causal-attention call (cuDNN or
+  FlashAttention-2 on CUDA, torch's flash kernel on the CPU) over the step-0 keys plus the diagonal keys merged by
+  log-sum-exp. Backward re-uses the fused kernel's own backward: called with the MERGED output and MERGED
+  log-sum-exp, it yields exactly the step-0 keys' share of the gradient (the kernel uses `out` only for
   D = rowsum(dO * out) and `lse` only to rebuild P, and both are the full softmax's), so no [T, (1+j)T] mask and no
   log-sum-exp gradient are needed.
 * `linear_soft_cross_entropy`: draft lm_head + soft cross-entropy for all K steps in token chunks, gradients
@@ -20,6 +20,8 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from eagle3.train.drafter import repeat_kv
 
 _COMPILED: dict = {}
 _EAGER: set = set()          # functions whose compiled version failed once: they run as written from then on
@@ -242,12 +244,8 @@ def flash_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
     return dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
 
 
-def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
-
-
 def _fold_kv(g: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Gradient of _expand_kv: sum the n_rep query heads that shared a kv head."""
+    """Gradient of repeat_kv: sum the n_rep query heads that shared a kv head."""
     if n_rep == 1:
         return g
     B, nh, T, d = g.shape
@@ -282,13 +280,13 @@ class _CausalPlusDiagonal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scale, n_rep, q, k0, v0, *diag):
         j = len(diag) // 2
-        o_c, lse_c, state = _causal_forward(q, _expand_kv(k0, n_rep), _expand_kv(v0, n_rep), scale)
+        o_c, lse_c, state = _causal_forward(q, repeat_kv(k0, n_rep), repeat_kv(v0, n_rep), scale)
         if j == 0:
             out, lse = o_c, lse_c
             kd = vd = None
         else:
-            kd = torch.stack([_expand_kv(k, n_rep) for k in diag[:j]])
-            vd = torch.stack([_expand_kv(v, n_rep) for v in diag[j:]])
+            kd = torch.stack([repeat_kv(k, n_rep) for k in diag[:j]])
+            vd = torch.stack([repeat_kv(v, n_rep) for v in diag[j:]])
             merged, lse = _merge_fwd(q, o_c, lse_c, kd, vd, scale)
             out = torch.empty_strided(o_c.shape, o_c.stride(), dtype=o_c.dtype, device=o_c.device)
             out.copy_(merged)  # keep the kernel's own layout: its backward is handed this tensor
@@ -305,7 +303,7 @@ class _CausalPlusDiagonal(torch.autograd.Function):
             d2 = torch.empty_strided(out.shape, out.stride(), dtype=dout.dtype, device=dout.device)
             d2.copy_(dout)
             dout = d2
-        dq, dk0, dv0 = _causal_backward(dout, q, _expand_kv(k0, n_rep), _expand_kv(v0, n_rep), out, lse, ctx.state,
+        dq, dk0, dv0 = _causal_backward(dout, q, repeat_kv(k0, n_rep), repeat_kv(v0, n_rep), out, lse, ctx.state,
                                         scale)
         gk = gv = ()
         if j:

@@ -1,4 +1,4 @@
-"""EAGLE-3 teacher, training-time-test loss and metrics (contract §5).
+"""EAGLE-3 teacher, training-time-test loss and metrics (docs/contract.md §9).
 
 Alignment: step j at position t consumes token t+1+j and predicts token p = t+2+j; its teacher is the target's
 distribution at position u = p-1 = t+1+j, softmax(lm_head(final_hidden[u])), restricted to the draft vocab and

@@ -16,7 +16,6 @@ training length, checkpoint/eval/log cadence, speed-only switches), recorded in 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import sys
@@ -45,8 +44,8 @@ METRICS_FILE = "metrics.jsonl"
 # contents are compared (data_sha256, the target identity).
 RESUMABLE = frozenset({"max_steps", "epochs", "save_interval", "keep_checkpoints", "eval_interval", "keep_best",
                        "log_interval", "num_workers", "activation_checkpointing", "fast_path", "attention_kernel",
-                       "teacher_chunk_tokens", "wandb_project", "wandb_mode", "progress", "stop_after_steps",
-                       "resume", "dump", "target", "out"})
+                       "teacher_chunk_tokens", "report_to", "wandb_project", "wandb_mode", "progress",
+                       "stop_after_steps", "resume", "dump", "target", "out"})
 
 
 class DrafterTrainStep(nn.Module):
@@ -136,13 +135,15 @@ def drafter_config(cfg: TrainConfig, target_dir: str, num_aux: int):
                          **derived)
 
 
-def lr_lambda(warmup: int, total: int, min_ratio: float):
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return f
+def lr_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig, optimizer_steps: int):
+    """Linear warm-up over --warmup-steps (from 0 at the first step), then a half cosine from --lr down to
+    --lr x --min-lr-ratio at the last step: transformers' own schedule. Its lambda is rebuilt from the config on
+    every start and only the step count is restored from a checkpoint, so a resume continues on the curve of the
+    run's (possibly new) length."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+    return get_cosine_with_min_lr_schedule_with_warmup(opt, num_warmup_steps=cfg.warmup_steps,
+                                                       num_training_steps=optimizer_steps,
+                                                       min_lr_rate=cfg.min_lr_ratio)
 
 
 def deepspeed_config(cfg: TrainConfig, on_gpu: bool) -> dict:
@@ -157,38 +158,94 @@ def deepspeed_config(cfg: TrainConfig, on_gpu: bool) -> dict:
 
 
 class MetricsLog:
-    """metrics.jsonl + console + wandb (offline unless the user logged in; off with --wandb-mode disabled)."""
+    """metrics.jsonl (always: other code reads it) + console + the --report-to trackers (TRACKERS), on rank 0.
+    A tracker that fails to start is dropped with a warning: metrics.jsonl has everything."""
 
-    def __init__(self, run_dir: str, cfg: TrainConfig, enabled: bool):
+    def __init__(self, run_dir: str, cfg: TrainConfig, enabled: bool, resume_step: int | None = None):
         self.enabled = enabled
         self.path = os.path.join(run_dir, METRICS_FILE)
-        self.wandb = None
+        self.trackers = []
         if not enabled:
             return
-        mode = cfg.wandb_mode or os.environ.get("WANDB_MODE")
-        if mode != "disabled":
+        for name in cfg.reporters():
             try:
-                import wandb
-                if mode is None:
-                    mode = "online" if (os.environ.get("WANDB_API_KEY") or wandb.api.api_key) else "offline"
-                self.wandb = wandb.init(project=cfg.wandb_project, dir=run_dir, config=cfg.to_dict(), mode=mode,
-                                        resume="allow", name=os.path.basename(os.path.abspath(run_dir)))
-            except Exception as e:  # wandb absent or broken: the run goes on, metrics.jsonl has everything
-                print(f"[train] wandb off ({type(e).__name__}: {e})", file=sys.stderr)
+                tracker = TRACKERS[name](run_dir, cfg, resume_step)
+            except Exception as e:  # the tracker absent or broken: the run goes on
+                print(f"[train] {name} off ({type(e).__name__}: {e})", file=sys.stderr)
+                continue
+            if tracker.on:
+                self.trackers.append(tracker)
 
     def write(self, rec: dict) -> None:
         if not self.enabled:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        if self.wandb is not None:
-            prefix = rec.get("split", "train")
-            self.wandb.log({f"{prefix}/{k}": v for k, v in _flatten(rec).items() if isinstance(v, (int, float))},
-                           step=rec["step"])
+        prefix = rec.get("split", "train")
+        values = {f"{prefix}/{k}": v for k, v in _flatten(rec).items() if isinstance(v, (int, float))}
+        for tracker in self.trackers:
+            tracker.log(values, rec["step"])
 
     def close(self):
-        if self.wandb is not None:
-            self.wandb.finish()
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+
+
+# The trackers: one small interface (on, log(values, step), finish()) over each library's own writer. Not
+# accelerate.tracking's classes: they log through accelerate's logger, which refuses to work before accelerate's
+# PartialState exists, and PartialState set-up next to DeepSpeed's process group changes the environment (thread
+# count, MASTER_PORT, device); not transformers' Trainer callbacks either, which need a Trainer. What is left is the
+# two maintained writers themselves, behind the same few calls.
+
+TENSORBOARD_DIR = "tensorboard"
+
+
+class TensorBoardTracker:
+    """RUN/tensorboard/ event files, written by torch.utils.tensorboard's SummaryWriter (TensorBoard's format)."""
+    name = "tensorboard"
+
+    def __init__(self, run_dir: str, cfg: TrainConfig, resume_step: int | None):
+        from torch.utils.tensorboard import SummaryWriter
+        # purge_step: TensorBoard hides the killed run's events past the checkpoint, which the resume logs again
+        # (as truncate_metrics does for metrics.jsonl)
+        self.writer = SummaryWriter(os.path.join(run_dir, TENSORBOARD_DIR),
+                                    purge_step=None if resume_step is None else resume_step + 1)
+        self.on = True
+
+    def log(self, values: dict, step: int) -> None:
+        for k, v in values.items():
+            self.writer.add_scalar(k, v, global_step=step)
+        self.writer.flush()  # once per metrics line: a killed run's events are on disk up to its last line
+
+    def finish(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    """wandb: offline unless the user is logged in; --wandb-mode (else $WANDB_MODE) as wandb reads it, and
+    'disabled' turns it off (--report-to none does too)."""
+    name = "wandb"
+
+    def __init__(self, run_dir: str, cfg: TrainConfig, resume_step: int | None):
+        mode = cfg.wandb_mode or os.environ.get("WANDB_MODE")
+        self.on = mode != "disabled"
+        if not self.on:
+            return
+        import wandb
+        if mode is None:
+            mode = "online" if (os.environ.get("WANDB_API_KEY") or wandb.api.api_key) else "offline"
+        self.run = wandb.init(project=cfg.wandb_project, dir=run_dir, config=cfg.to_dict(), mode=mode,
+                              resume="allow", name=os.path.basename(os.path.abspath(run_dir)))
+
+    def log(self, values: dict, step: int) -> None:
+        self.run.log(values, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+TRACKERS = {"wandb": WandbTracker, "tensorboard": TensorBoardTracker}
 
 
 def truncate_metrics(path: str, step: int) -> int:
@@ -361,13 +418,11 @@ def train(cfg: TrainConfig) -> dict:
 
     from eagle3.data.dumps import DumpSet, split
     from eagle3.data.loader import BatchPlan, make_loader
-    from eagle3.data.vocab import build_vocab, load_vocab, save_vocab
+    from eagle3.data.vocab import build_vocab, describe_vocab, load_vocab, save_vocab
     from eagle3.train.drafter import Eagle3Drafter
     from eagle3.train.target_weights import load_embedding_and_head
 
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(k, v)
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    D.launcher_env()
     on_gpu = torch.cuda.is_available()
     # On CPUs, subnormal floats (softmax tails of a peaked teacher) cost 100x per op: flush them to zero.
     torch.set_flush_denormal(True)
@@ -434,7 +489,7 @@ def train(cfg: TrainConfig) -> dict:
                 C.require_same_capture(ident, manifest.identity(), f"vocab {cfg.vocab}", "the dumps")
         else:
             vocab = build_vocab(dumps, train_refs, n, progress=cfg.progress)
-            log(f"[train] draft vocab {n}: coverage {vocab['meta']['coverage']:.2%} of training loss tokens")
+            log(f"[train] draft vocab {describe_vocab(vocab['meta'])}")
         vocab["meta"]["source"] = source
         save_vocab(vocab_path, vocab)
         return None
@@ -473,8 +528,7 @@ def train(cfg: TrainConfig) -> dict:
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                             fused=on_gpu or None)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lr_lambda(cfg.warmup_steps, total // cfg.grad_accum, cfg.min_lr_ratio))
+    sched = lr_schedule(opt, cfg, total // cfg.grad_accum)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
                                            config=deepspeed_config(cfg, on_gpu))
     CK.install_safe_engine(engine)
@@ -497,7 +551,7 @@ def train(cfg: TrainConfig) -> dict:
 
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     device = world.device
-    metrics = MetricsLog(run_dir, cfg, world.is_main)
+    metrics = MetricsLog(run_dir, cfg, world.is_main, resume_step=step if resume_tag is not None else None)
 
     def to_device(b):
         return {k: (v.to(device, dtype=dtype, non_blocking=True) if v.is_floating_point()
