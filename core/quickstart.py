@@ -68,7 +68,7 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     from eagle3.eval.speculative import evaluate
     from eagle3.export.sglang import export_drafter, server_command
     from eagle3.train.config import TrainConfig, load_yaml
-    from eagle3.train.trainer import train
+    from eagle3.train.trainer import drafter_config, train
 
     on_gpu = q.device != "cpu" and torch.cuda.is_available()
     # The eval checks losslessness token for token, so it runs the target in fp32 (a K+1-token verify forward and
@@ -112,9 +112,11 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     preset = load_yaml("example")
     dumps = DumpSet(dump_dir, verify=False)
     train_refs, held_refs = split(dumps.refs, q.held_out_fraction, seed=0)
-    from eagle3 import presets
-    n_vocab = q.draft_vocab_size or (presets.load("drafters", preset["drafter"])["draft_vocab_size"] if on_gpu
-                                     else 2048)
+    # the size the trainer itself would pick (drafter preset, capped at the target's vocab); 2048 on a CPU, whose
+    # draft head then costs less per draft step
+    n_vocab = drafter_config(TrainConfig(drafter=preset["drafter"],
+                                         draft_vocab_size=q.draft_vocab_size or (None if on_gpu else 2048)),
+                             target, len(manifest.capture.hidden_state_indices)).draft_vocab_size
     vocab = build_vocab(dumps, train_refs, n_vocab, progress=q.progress)
     vocab_path = os.path.join(q.out, "vocab.safetensors")
     save_vocab(vocab_path, vocab)
