@@ -56,13 +56,23 @@ def remove_stale_tmp(out_dir: str) -> list[str]:
     return stale
 
 
-def atomic_write_text(path: str, text: str) -> None:
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write to a temporary name, fsync, rename: a reader sees the old file or the whole new one, and a failed
+    write leaves no temporary file behind."""
     tmp = tmp_name(path)
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
 
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",

@@ -59,17 +59,10 @@ def naming_disk_full(path: str):
 
 
 def write_bytes_atomic(path: str, data: bytes) -> None:
-    """Write to a temporary name, fsync, rename: a reader sees the old file or the whole new one."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with naming_disk_full(path), open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    """The dump's atomic write (temporary name, fsync, rename), its full-disk error naming the file."""
+    from eagle3.dump.shards import atomic_write_bytes
+    with naming_disk_full(path):
+        atomic_write_bytes(path, data)
 
 
 def install_safe_engine(engine) -> None:
