@@ -4,8 +4,8 @@
 #
 # The example GGUF (98 MB) is larger than one call may carry (64 MiB), so it travels in parts over two consecutive
 # calls (the machine stays warm between them):
-#   call 1: carry .stage1 (gguf_part_aa, gguf_part_ab)                 command: bash bench/quality_device.sh stage
-#   call 2: carry .stage2 (gguf_part_ac, gguf.sha256, sharegpt_prompts.jsonl.gz) and .whl
+#   call 1: carry .stage1 (gguf_part_aa: the first 60 MiB)              command: bash bench/quality_device.sh stage
+#   call 2: carry .stage2 (gguf_part_ab, gguf.sha256, sharegpt_prompts.jsonl.gz) and .whl
 #           (../shared/device/wheels.sh with EXTRA_WHEELS="transformers==5.24.0 gguf", plus specforge-0.2.0's wheel
 #           from `pip download --no-deps specforge==0.2.0` for the peer)
 #                                                                      command: bash bench/quality_device.sh run

@@ -293,11 +293,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quickstart", help="the whole pipeline on the embedded default (SmolLM2-135M + ShareGPT)")
     p.add_argument("--out", default=q.out)
     p.add_argument("--num-samples", type=int, default=None,
-                   help="input conversations the target answers (those it can: default 400 on a CPU, 6000 on a GPU)")
+                   help="input conversations the target answers (those it can: default 500 on a CPU, 8000 on a GPU)")
     p.add_argument("--max-length", type=int, default=q.max_length, help="dump: tokens per conversation (GPU: 1024)")
     p.add_argument("--regen-max-new-tokens", type=int, default=None,
                    help="regenerate: tokens per answer (default 96 on a CPU, 512 on a GPU)")
     p.add_argument("--temperature", type=float, default=q.temperature, help="regenerate: 0 = greedy")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
+                   help="regenerate and dump dtype (default: fp32 on a CPU, bf16 on a GPU)")
+    p.add_argument("--regen-batch-size", type=int, default=None,
+                   help="regenerate: conversations per generate call (default 64 on a CPU, 1024 on a GPU)")
+    p.add_argument("--init-head", default=None, choices=["target", "random"],
+                   help="train: start the draft head from the target's lm_head rows and final norm, or at random")
     p.add_argument("--max-turns", type=int, default=q.max_turns, help="regenerate: assistant turns per conversation")
     p.add_argument("--train-steps", type=int, default=None, help="default: 500 on a CPU, 2000 on a GPU")
     p.add_argument("--token-budget", type=int, default=None, help="padded tokens per training step")

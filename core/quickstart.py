@@ -18,9 +18,12 @@ from dataclasses import dataclass
 @dataclass
 class QuickstartConfig:
     out: str = "runs/quickstart"
-    num_samples: int | None = None   # input conversations to regenerate; default 500 on a CPU, 6000 on a GPU
+    num_samples: int | None = None   # input conversations to regenerate; default 500 on a CPU, 8000 on a GPU
     max_length: int = 512            # dump: tokens per conversation; the GPU default is 1024
     regen_max_new_tokens: int | None = None  # regenerate: tokens per answer; default 96 on a CPU, 512 on a GPU
+    dtype: str | None = None         # regenerate + dump dtype; default fp32 on a CPU (the eval's), bf16 on a GPU
+    regen_batch_size: int | None = None  # regenerate: conversations per generate call; default 64 CPU, 1024 GPU
+    init_head: str | None = None     # train: 'target' or 'random' draft head (default: the trainer's)
     temperature: float = 0.0         # regenerate: sampling temperature (0 = greedy, as greedy serving decodes)
     max_turns: int | None = 1        # regenerate: assistant turns per conversation (None = all)
     train_steps: int | None = None   # default: 500 on a CPU, 2000 on a GPU
@@ -76,11 +79,13 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     # run fp32 too: this 2-core CPU has no native bf16 (fp32 GEMMs 202 GFLOP/s, bf16 56; the dump ran 2.1x faster
     # in fp32), and the drafter then trains on the very states the eval feeds it. On a GPU both run bf16, as
     # serving would (bench/quality.md measures what the bf16/fp32 difference costs against the fp32 eval).
-    num_samples = q.num_samples or (6000 if on_gpu else 500)
+    num_samples = q.num_samples or (8000 if on_gpu else 500)
     regen_new = q.regen_max_new_tokens or (512 if on_gpu else 96)
     max_length = q.max_length if not on_gpu or q.max_length != QuickstartConfig.max_length else 1024
     train_steps = q.train_steps or (2000 if on_gpu else 500)
     token_budget = q.token_budget or (8192 if on_gpu else 1024)
+    dtype = q.dtype or ("bf16" if on_gpu else "fp32")
+    regen_rows = q.regen_batch_size or (1024 if on_gpu else 64)
     os.makedirs(q.out, exist_ok=True)
     t_start, times = time.perf_counter(), {}
     N = 7
@@ -93,8 +98,8 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     regen = run_regenerate(RegenConfig(data=[source], out=regen_dir, target=target, engine="hf",
                                        temperature=q.temperature, max_new_tokens=regen_new, num_samples=num_samples,
                                        max_turns=q.max_turns, max_prompt_tokens=max_length // 2, device=q.device,
-                                       batch_size=512 if on_gpu else 64,
-                                       batch_tokens=(512 if on_gpu else 64) * (max_length // 2 + regen_new),
+                                       dtype=dtype,
+                                       batch_size=regen_rows, batch_tokens=regen_rows * (max_length // 2 + regen_new),
                                        progress=q.progress))
     data = os.path.join(regen_dir, CONVERSATIONS)
     times["regenerate"] = time.perf_counter() - t0
@@ -103,7 +108,7 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     t0 = time.perf_counter()
     dump_dir = os.path.join(q.out, "dump")
     manifest = run_dump(DumpConfig(target=target, data=[data], out=dump_dir, max_length=max_length,
-                                   dtype="bf16" if on_gpu else "fp32",
+                                   dtype=dtype,
                                    device=q.device, progress=q.progress))
     times["dump"] = time.perf_counter() - t0
 
@@ -137,6 +142,8 @@ def run_quickstart(q: QuickstartConfig) -> dict:
                   resume=os.path.isfile(os.path.join(run_dir, "checkpoints", "latest")))
     if q.lr:
         fields["lr"] = q.lr
+    if q.init_head:
+        fields["init_head"] = q.init_head
     fields["ttt_steps"] = q.ttt_steps or (fields.get("ttt_steps", 7) if on_gpu else q.draft_steps)
     if fields["resume"]:
         print("[quickstart] a training run is already there; resuming it (nothing left to do if done)",

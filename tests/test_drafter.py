@@ -198,6 +198,18 @@ def test_vocab_map_and_embedding_checks():
         d.load_target_embedding(torch.zeros(50, 31))
 
 
+def test_target_head_init_takes_the_draft_vocab_rows_and_the_final_norm():
+    d = make_drafter()
+    head, norm = torch.randn(50, 32, dtype=torch.float64), torch.randn(32, dtype=torch.float64)
+    d.load_target_head(head, norm)
+    ids = [i for i in range(50) if d.t2d[i]]  # target ids of the draft vocab, ascending: draft id order
+    for draft_id, target_id in enumerate(ids):
+        assert torch.equal(d.lm_head.weight[draft_id], head[target_id])
+    assert torch.equal(d.norm.weight, norm)
+    with pytest.raises(ValueError, match="init-head random"):
+        d.load_target_head(torch.randn(50, 31, dtype=torch.float64), torch.randn(31, dtype=torch.float64))
+
+
 def test_llama3_rope_matches_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

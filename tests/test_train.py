@@ -193,3 +193,15 @@ def test_an_error_in_the_final_evaluation_keeps_the_final_checkpoint(tiny_dump, 
                           eval_interval=100, save_interval=100, num_workers=0, progress=False, wandb_mode="disabled"))
     assert open(out / "checkpoints" / "latest").read().strip() == "step00000003"
     assert os.path.isfile(out / "checkpoints" / "step00000003" / "drafter.safetensors")
+
+
+def test_last_metrics_reports_what_a_finished_run_recorded(tmp_path):
+    # a finished run resumed (the quickstart rerun) trains nothing and reports its last rows instead
+    from eagle3.train.trainer import last_metrics
+    p = tmp_path / "metrics.jsonl"
+    rows = [{"step": 10, "loss": 3.0}, {"step": 10, "split": "eval", "decode_accept_len": 1.5},
+            {"step": 20, "loss": 2.0}, {"step": 20, "split": "eval", "decode_accept_len": 1.7}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3')  # a torn last row
+    got = last_metrics(str(p))
+    assert got["step"] == 20 and got["loss"] == 2.0 and got["eval"]["decode_accept_len"] == 1.7
+    assert last_metrics(str(tmp_path / "absent.jsonl")) == {}

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+INIT_HEADS = ("target", "random")  # how the draft head (norm + lm_head) starts: train/trainer.py
 REPORTERS = ("wandb", "tensorboard")  # --report-to names: train/trainer.py's TRACKERS
 
 
@@ -51,6 +52,8 @@ class TrainConfig:
     step_decay: float = _opt(0.8, "loss weight of draft step j is step_decay**j")
     held_out_fraction: float = _opt(0.02, "share of samples (by sample_index) kept out of training for evaluation")
     seed: int = _opt(0, "seed of the split, the batch order and the initial weights")
+    init_head: str = _opt("random", "initial draft head: 'random', or 'target' (the target's lm_head rows of the "
+                                    "draft vocab and its final norm; measured worse, bench/quality.md)")
     # ---- checkpoints and evaluation
     save_interval: int = _opt(500, "save a checkpoint every this many micro-steps (and at the end)")
     keep_checkpoints: int = _opt(2, "interval checkpoints kept (older ones are deleted)")
@@ -83,6 +86,8 @@ class TrainConfig:
         self.activation_checkpointing = checkpointing_mode(self.activation_checkpointing)
         if self.attention_kernel not in CUDA_ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel {self.attention_kernel!r}: expected one of {CUDA_ATTENTION_KERNELS}")
+        if self.init_head not in INIT_HEADS:
+            raise ValueError(f"init_head {self.init_head!r}: expected one of {INIT_HEADS}")
         self.reporters()  # refuse an unknown tracker before anything starts
 
     def reporters(self) -> list[str]:

@@ -17,6 +17,7 @@ from eagle3.dump.targets import read_config, text_config_dict
 EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
               "language_model.model.embed_tokens.weight")
 HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
+NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight")
 
 
 def _weight_files(target_dir: str) -> dict[str, str]:
@@ -54,3 +55,11 @@ def load_embedding_and_head(target_dir: str) -> tuple[torch.Tensor, torch.Tensor
             raise KeyError(f"{target_dir}: no lm_head among {HEAD_KEYS} and the config does not tie embeddings")
         head = embed
     return embed, head
+
+
+def load_final_norm(target_dir: str) -> torch.Tensor:
+    """The target's final RMSNorm weight [H] (the norm in front of its lm_head), in the checkpoint's dtype."""
+    norm = _read(_weight_files(target_dir), NORM_KEYS, "final norm", target_dir)
+    if norm is None:
+        raise KeyError(f"{target_dir}: no final norm among {NORM_KEYS}")
+    return norm

@@ -248,6 +248,23 @@ class WandbTracker:
 TRACKERS = {"wandb": WandbTracker, "tensorboard": TensorBoardTracker}
 
 
+def last_metrics(path: str) -> dict:
+    """The last training row of metrics.jsonl, with the last held-out row under "eval" (what train() returns)."""
+    train_row, eval_row = {}, None
+    if os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # a torn last row
+                if row.get("split") == "eval":
+                    eval_row = row
+                else:
+                    train_row = row
+    return {**train_row, **({"eval": eval_row} if eval_row else {})}
+
+
 def truncate_metrics(path: str, step: int) -> int:
     """Drop the rows after `step` (the resumed run computes those steps again); returns how many were dropped."""
     if not os.path.isfile(path):
@@ -420,7 +437,7 @@ def train(cfg: TrainConfig) -> dict:
     from eagle3.data.loader import BatchPlan, make_loader
     from eagle3.data.vocab import build_vocab, describe_vocab, load_vocab, save_vocab
     from eagle3.train.drafter import Eagle3Drafter
-    from eagle3.train.target_weights import load_embedding_and_head
+    from eagle3.train.target_weights import load_embedding_and_head, load_final_norm
 
     D.launcher_env()
     on_gpu = torch.cuda.is_available()
@@ -507,6 +524,8 @@ def train(cfg: TrainConfig) -> dict:
     embed, head = load_embedding_and_head(cfg.target)
     drafter.load_target_embedding(embed.float())
     drafter.set_vocab_map(vocab["d2t"], vocab["t2d"])
+    if cfg.init_head == "target":
+        drafter.load_target_head(head.float(), load_final_norm(cfg.target).float())
     drafter.activation_checkpointing = cfg.activation_checkpointing
     model = DrafterTrainStep(drafter, head.float(), cfg)
     old_resumes = CK.read_json(run_path).get("resumes", []) if resume_tag and world.is_main else []
@@ -643,6 +662,8 @@ def train(cfg: TrainConfig) -> dict:
     metrics.close()
     log(f"[train] done: {step} steps -> {run_dir}/checkpoints (latest: {CK.resume_tag(ckpt_root)}"
         + (f", best: step {best['step']}, held-out acceptance length {best['decode_accept_len']:.3f})" if best else ")"))
+    if "step" not in result:  # resumed a finished run: nothing trained now, so report what the run recorded
+        result = last_metrics(os.path.join(run_dir, METRICS_FILE)) if world.is_main else {}
     if best:
         result["best"] = best
     return result
