@@ -119,7 +119,8 @@ def main():
     ap.add_argument("--disk", default=None, help="where the dump and disk probe write (default: a temp dir)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    from eagle3.dump import conversations, targets
+    from eagle3.dump import conversations
+    from eagle3.target import load as targets
     from eagle3.dump.conversations import load_samples
     from eagle3.dump.job import DumpConfig, run_dump
     from eagle3.contract import load_manifest

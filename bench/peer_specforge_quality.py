@@ -429,7 +429,7 @@ def main(argv=None) -> dict:
     from eagle3.data.loader import BatchPlan, make_loader
     from eagle3.data.vocab import load_vocab
     from eagle3.export.sglang import load_export
-    from eagle3.train.target_weights import load_embedding_and_head
+    from eagle3.target.weights import load_embedding_and_head
     from eagle3.train.trainer import check_target_matches_dumps
 
     device = torch.device(a.device)

@@ -29,7 +29,7 @@ def main() -> None:
     from eagle3.eval.speculative import load_drafter_from_export
     from eagle3.train.acceptance import ChainStats, walk
     from eagle3.train.config import TrainConfig
-    from eagle3.train.target_weights import load_embedding_and_head
+    from eagle3.target.weights import load_embedding_and_head
     from eagle3.train.trainer import DrafterTrainStep
 
     q = a.quickstart

@@ -24,8 +24,8 @@ from eagle3 import dist as D
 from eagle3.batching import group_by_length
 from eagle3.contract import CaptureSpec, ContractError, DumpManifest
 from eagle3.dump import shards as S
-from eagle3.dump import targets as T
-from eagle3.dump.capture import ARGMAX, HiddenStateCapture, verify_full_width
+from eagle3.target import load as T
+from eagle3.target.capture import ARGMAX, HiddenStateCapture, verify_full_width
 from eagle3.dump.regenerate import data_sources
 
 MANIFEST = C.MANIFEST_FILE

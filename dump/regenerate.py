@@ -436,7 +436,7 @@ def _target_identity(target_dir: str | None):
     """(TargetInfo dict, TokenizerInfo dict, tokenizer) of a local target directory, or Nones."""
     if not target_dir:
         return None, None, None
-    from eagle3.dump import targets as T
+    from eagle3.target import load as T
     info = T.target_info(target_dir)
     tok = T.load_tokenizer(target_dir)
     return dataclasses.asdict(info), dataclasses.asdict(T.tokenizer_info(tok)), tok
@@ -503,7 +503,7 @@ class HFEngine:
     """The target through transformers: left-padded batches, model.generate with its KV cache."""
 
     def __init__(self, target_dir: str, dtype, device, cfg: RegenConfig, tokenizer=None):
-        from eagle3.dump import targets as T
+        from eagle3.target import load as T
         from eagle3.dump.conversations import end_of_turn_ids
         self.cfg = cfg
         self.tokenizer = tokenizer if tokenizer is not None else T.load_tokenizer(target_dir)
@@ -682,7 +682,7 @@ def _run_hf(cfg: RegenConfig, items: list[Item], done: set[int], world, tokenize
     import torch
     from tqdm import tqdm
 
-    from eagle3.dump import targets as T
+    from eagle3.target import load as T
     batches = plan_batches(items, cfg.batch_size)
     pending = [b for b in batches if any(it.sample_index not in done for it in b)]
     mine = pending[world.rank::world.world_size]
@@ -956,7 +956,7 @@ def run_regenerate(cfg: RegenConfig) -> dict:
     """Regenerate the assistant turns of cfg.data into cfg.out; returns the regenerate.json record (also when
     servers stopped answering: then its status is 'incomplete' and a rerun continues)."""
     from eagle3 import dist as D
-    from eagle3.dump import targets as T
+    from eagle3.target import load as T
 
     t0 = time.perf_counter()
     cfg = dataclasses.replace(cfg, data=list(cfg.data), servers=list(cfg.servers) if cfg.servers else None)

@@ -29,7 +29,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from eagle3.dump.capture import HiddenStateCapture
+from eagle3.target.capture import HiddenStateCapture
 from eagle3.train.acceptance import ChainStats  # one round bookkeeping for eval and training's replay
 
 
@@ -190,7 +190,7 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     """`allow_foreign_export`: evaluate a drafter from elsewhere -- an export without provenance (served as the
     latest known SGLang release would serve it for this target) or one whose ids disagree with its provenance."""
     from eagle3.contract import ContractError
-    from eagle3.dump.targets import DTYPES, find_backbone, load_target, load_tokenizer, target_info
+    from eagle3.target.load import DTYPES, find_backbone, load_target, load_tokenizer, target_info
     from eagle3.export.sglang import capture_indices_of_export, load_export
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tdtype = DTYPES[dtype]

@@ -5,7 +5,7 @@
 DIR/ holds
   config.json              every key SGLang reads, set explicitly; eagle_config.eagle_aux_hidden_state_layer_ids
                            computed from the checkpoint's recorded capture with the serving rules of
-                           `eagle3.contract` for the target family and the SGLang release targeted;
+                           `eagle3.export.serving` for the target family and the SGLang release targeted;
   model.safetensors        exactly the tensors of docs/contract.md §6 (fc, midlayer.*, norm, lm_head in bf16;
                            d2t int64; t2d bool);
   eagle3_provenance.json   what was exported from where, for which engine/release, and what that server captures.
@@ -32,6 +32,7 @@ import time
 import torch
 
 from eagle3 import contract as C
+from eagle3.export import serving as S
 
 EXPORT_FORMAT = "eagle3-export"
 EXPORT_FORMAT_VERSION = 1
@@ -240,7 +241,7 @@ def _is_previous_export(path: str) -> bool:
 
 
 def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: str = "sglang",
-                   sglang_version: str = C.SGLANG_LATEST, allow_cuda_graph_mismatch: bool = False) -> dict:
+                   sglang_version: str = S.SGLANG_LATEST, allow_cuda_graph_mismatch: bool = False) -> dict:
     """Export checkpoint `step` (default: the latest) of training run `run_dir` into `out_dir`; returns the
     provenance written to out_dir/eagle3_provenance.json."""
     from safetensors.torch import save_file
@@ -261,15 +262,15 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
     release = family = None
     default = None
     if engine == "sglang":
-        release = str(C.check_release(sglang_version))
-        family = C.serving_family(target.model_type)
-        ids = C.sglang_ids_for(capture, target.model_type, release, L)
-        served = C.sglang_capture_indices(ids, target.model_type, release, L)
-        reproducing = C.sglang_releases_reproducing(ids, capture, target.model_type, L)
-        disable_cg = C.needs_disable_cuda_graph(capture, release, L)
+        release = str(S.check_release(sglang_version))
+        family = S.serving_family(target.model_type)
+        ids = S.sglang_ids_for(capture, target.model_type, release, L)
+        served = S.sglang_capture_indices(ids, target.model_type, release, L)
+        reproducing = S.sglang_releases_reproducing(ids, capture, target.model_type, L)
+        disable_cg = S.needs_disable_cuda_graph(capture, release, L)
         if disable_cg:
-            default = sorted(C.sglang_default_capture(L))
-            msg = (f"SGLang {release} (<= {C.SGLANG_CUDA_GRAPH_DEFAULT_UNTIL}) captures the DEFAULT HF {default} in "
+            default = sorted(S.sglang_default_capture(L))
+            msg = (f"SGLang {release} (<= {S.SGLANG_CUDA_GRAPH_DEFAULT_UNTIL}) captures the DEFAULT HF {default} in "
                    f"its CUDA-graph decode/verify passes whatever the config says, but this drafter was trained on HF "
                    f"{capture}")
             if not allow_cuda_graph_mismatch:
@@ -278,8 +279,8 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
             print(f"[export] {msg}: the server MUST run with --disable-cuda-graph", file=sys.stderr)
             notes.append(f"{msg}: serve with --disable-cuda-graph")
     else:
-        ids = C.vllm_ids_for(capture, L)
-        served = C.vllm_capture_indices(ids, L)
+        ids = S.vllm_ids_for(capture, L)
+        served = S.vllm_capture_indices(ids, L)
         reproducing, disable_cg = None, False
         notes.append(NOT_PORTABLE)
     if served != capture:  # the forward rule of the engine gives back exactly what the drafter was trained on
@@ -370,10 +371,10 @@ def _served_capture(config: dict, engine: str, model_type: str, release: str | N
     if engine == "vllm":
         if ids is None:
             ids = config.get("eagle_aux_hidden_state_layer_ids")
-        return C.vllm_capture_indices(ids, num_layers)
+        return S.vllm_capture_indices(ids, num_layers)
     if engine != "sglang":
         raise C.ContractError(f"unknown engine {engine!r}")
-    return C.sglang_capture_indices(ids, model_type, release, num_layers)
+    return S.sglang_capture_indices(ids, model_type, release, num_layers)
 
 
 def _check_ids_against_provenance(export_dir: str, config: dict, prov: dict, allow_foreign: bool) -> list[int]:
@@ -485,7 +486,7 @@ def capture_indices_of_export(export_dir: str, num_layers: int, sglang_version: 
         if target_model_type is None:
             raise C.ContractError(f"{export_dir}: no {PROVENANCE_FILE}; the target's model_type is needed to tell "
                                   "what SGLang captures with its ids")
-        return _served_capture(config, "sglang", target_model_type, sglang_version or C.SGLANG_LATEST, num_layers)
+        return _served_capture(config, "sglang", target_model_type, sglang_version or S.SGLANG_LATEST, num_layers)
     recorded = prov["target"]["num_hidden_layers"]
     if int(num_layers) != int(recorded):
         raise C.ContractError(f"{export_dir} was exported for a {recorded}-layer target "

@@ -74,3 +74,11 @@ def test_target_presets_follow_the_default_rule(name):
 
 def test_kimi_preset_captures_3_31_59():
     assert presets.load("targets", "kimi-k2.5")["dump"]["layers"] == [3, 31, 59]
+
+
+def test_layer_for_index_is_the_one_hf_index_to_layer_rule():
+    assert [C.layer_for_index(k) for k in (1, 3, 31, 59)] == [0, 2, 30, 58]
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(C.ContractError):
+            C.layer_for_index(bad)
+    assert C.describe([3]) == "HF 3 (output of layer 2)"

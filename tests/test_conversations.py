@@ -7,8 +7,9 @@ import os
 import pytest
 
 from eagle3.dump import conversations as C
-from eagle3.dump.conversations import (DataError, SkipSample, example_sharegpt_jsonl, load_samples,
-                                       read_conversations, render_and_mask)
+from eagle3.dump import example as E
+from eagle3.dump.conversations import DataError, SkipSample, load_samples, read_conversations, render_and_mask
+from eagle3.dump.example import example_sharegpt_jsonl
 from tiny_tokenizers import TEMPLATES, VOCAB_LIMIT, make_tokenizer
 
 CONV = [
@@ -453,7 +454,7 @@ def _records(n):
 
 @pytest.mark.parametrize("chunk", [7, 1 << 22])  # a tiny window exercises the sliding/refill paths
 def test_example_sharegpt_truncated_array(tmp_path, monkeypatch, capsys, chunk):
-    monkeypatch.setattr(C._Stream, "CHUNK", chunk)
+    monkeypatch.setattr(E._Stream, "CHUNK", chunk)
     recs = _records(3)
     full = json.dumps(recs, indent=2, ensure_ascii=False).encode("utf-8")
     third = full.index('"answer 2'.encode())
@@ -470,7 +471,7 @@ def test_example_sharegpt_truncated_array(tmp_path, monkeypatch, capsys, chunk):
     line = capsys.readouterr().err
     assert "kept 2" in line and f"dropped {info['dropped_bytes']} bytes" in line
     # the cache is reused: no second parse
-    monkeypatch.setattr(C, "_salvage_json_array", lambda *a: pytest.fail("cache not reused"))
+    monkeypatch.setattr(E, "_salvage_json_array", lambda *a: pytest.fail("cache not reused"))
     assert example_sharegpt_jsonl(cache_dir=str(cache), source=str(src)) == (path, info)
     # and the jsonl is ordinary input
     got = list(read_conversations([path]))
@@ -491,7 +492,7 @@ def test_salvage_every_cut_point(tmp_path, monkeypatch, chunk):
     """Cut anywhere (inside strings, escapes, literals, numbers, multi-byte characters): keep exactly the
     complete records and count every byte after the last one as dropped."""
     import io
-    monkeypatch.setattr(C._Stream, "CHUNK", chunk)
+    monkeypatch.setattr(E._Stream, "CHUNK", chunk)
     recs = [{"id": k, "x": [1.5, -20, True, None, False], "v": f"q\\\"é {k} 中🙂 \\u0041"} for k in range(2)]
     full = json.dumps(recs, indent=1, ensure_ascii=False).encode("utf-8")
     ends = [full.index(b"\n }", full.index(f'"id": {k}'.encode())) + 3 for k in range(2)]
@@ -499,7 +500,7 @@ def test_salvage_every_cut_point(tmp_path, monkeypatch, chunk):
     for cut in range(1, len(full) + 1):
         src.write_bytes(full[:cut])
         out = io.StringIO()
-        n, dropped, reason = C._salvage_json_array(str(src), out)
+        n, dropped, reason = E._salvage_json_array(str(src), out)
         assert n == sum(e <= cut for e in ends), cut
         assert [json.loads(line) for line in out.getvalue().splitlines()] == recs[:n]
         complete = cut >= len(full.rstrip())  # the outer array closed

@@ -194,7 +194,7 @@ def _swap_words(text):
 def test_resume_refuses_data_edited_in_place(tiny_targets, convs, tmp_path):
     """An edit that keeps every token length (so the shard plan is the same) is still other data."""
     from eagle3.dump.conversations import load_samples
-    from eagle3.dump.targets import load_tokenizer
+    from eagle3.target.load import load_tokenizer
     llama, out, data = tiny_targets["llama"], tmp_path / "d", tmp_path / "c.jsonl"
     data.write_text(open(convs).read())
     data = str(data)
@@ -289,7 +289,7 @@ def test_malformed_line_names_file_and_line(tiny_targets, tmp_path):
 
 def test_tokenizer_without_chat_template(tiny_targets, convs, tmp_path):
     import shutil
-    from eagle3.dump.targets import TargetError
+    from eagle3.target.load import TargetError
     t = tmp_path / "t"
     shutil.copytree(tiny_targets["llama"], t)
     for name in ("chat_template.jinja",):
@@ -356,7 +356,7 @@ def test_cli_dump_reads_datasets_dirs_and_hub_ids_from_the_local_cache(tiny_targ
     import shutil
     from datasets import Dataset
     from eagle3.dump.conversations import load_samples
-    from eagle3.dump.targets import load_tokenizer
+    from eagle3.target.load import load_tokenizer
     hub = tmp_path / "hub"
     model_dir = _hub_cache_entry(hub, "model", "tiny-org/tiny-llama")
     shutil.copytree(tiny_targets["llama"], model_dir)

@@ -97,8 +97,8 @@ def test_spec_stats_pooling():
 def test_held_out_walk_replays_speculative_decoding_exactly(word_target, distilled, trained_export):
     """train/acceptance.walk over a TTT unroll of the target's own greedy answer counts exactly the rounds, reached
     and accepted drafts that real speculative decoding (eval) counts on the same prompt."""
-    from eagle3.dump.capture import HiddenStateCapture
-    from eagle3.dump.targets import find_backbone, load_target, load_tokenizer, target_info
+    from eagle3.target.capture import HiddenStateCapture
+    from eagle3.target.load import find_backbone, load_target, load_tokenizer, target_info
     from eagle3.eval.speculative import SpeculativeDecoder, load_drafter_from_export, read_prompts
     from eagle3.export.sglang import capture_indices_of_export
     from eagle3.train.acceptance import ChainStats, draft_hits, walk
@@ -183,7 +183,7 @@ def _jsonl(path, records):
 
 def test_mt_bench_prompts_are_the_first_turns(word_target, tmp_path):
     from eagle3.dump.conversations import DataError
-    from eagle3.dump.targets import load_tokenizer
+    from eagle3.target.load import load_tokenizer
     from eagle3.eval.speculative import read_prompts
     tok = load_tokenizer(word_target)
     mt = _jsonl(tmp_path / "mtbench.jsonl", MT_BENCH)

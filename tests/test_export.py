@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3 import contract as C
+from eagle3.export import serving as S
 from eagle3.train.drafter import EXPORT_KEYS
 
 # ============================================================================================ the rules table
@@ -36,8 +37,8 @@ TABLE_ROWS = {
 
 
 def releases(first, last):
-    lo, hi = C.parse_release(first), C.parse_release(last)
-    return [r for r in C.SGLANG_RELEASES if lo <= C.parse_release(r) <= hi]
+    lo, hi = S.parse_release(first), S.parse_release(last)
+    return [r for r in S.SGLANG_RELEASES if lo <= S.parse_release(r) <= hi]
 
 
 @pytest.mark.parametrize("row", list(TABLE_ROWS))
@@ -46,92 +47,92 @@ def test_table_row_forward_and_inverse(row):
     rels = releases(first, last)
     assert rels[0] == first and rels[-1] == last
     for rel in rels:
-        assert C.sglang_capture_indices(ids, model_type, rel, L) == capture, rel
-        got = C.sglang_ids_for(capture, model_type, rel, L)
+        assert S.sglang_capture_indices(ids, model_type, rel, L) == capture, rel
+        got = S.sglang_ids_for(capture, model_type, rel, L)
         assert got == inverse, rel
-        assert C.sglang_capture_indices(got, model_type, rel, L) == capture
+        assert S.sglang_capture_indices(got, model_type, rel, L) == capture
 
 
 def test_kimi_worked_example():
     """Kimi-K2.5 data at HF [3, 31, 59]: [2, 30, 58] up to 0.5.12.post1, [3, 31, 59] from 0.5.13; no single list."""
-    assert C.sglang_ids_for([3, 31, 59], "kimi_k25", "0.5.11", 61) == [2, 30, 58]
-    assert C.sglang_ids_for([3, 31, 59], "kimi_k25", "0.5.12.post1", 61) == [2, 30, 58]
-    assert C.sglang_ids_for([3, 31, 59], "kimi_k25", "0.5.13", 61) == [3, 31, 59]
-    assert C.sglang_ids_for([3, 31, 59], "kimi_k25", C.SGLANG_LATEST, 61) == [3, 31, 59]
-    assert C.sglang_reproducible_in([3, 31, 59], "kimi_k25", 61) == [("0.5.10", "0.5.12.post1", [2, 30, 58]),
+    assert S.sglang_ids_for([3, 31, 59], "kimi_k25", "0.5.11", 61) == [2, 30, 58]
+    assert S.sglang_ids_for([3, 31, 59], "kimi_k25", "0.5.12.post1", 61) == [2, 30, 58]
+    assert S.sglang_ids_for([3, 31, 59], "kimi_k25", "0.5.13", 61) == [3, 31, 59]
+    assert S.sglang_ids_for([3, 31, 59], "kimi_k25", S.SGLANG_LATEST, 61) == [3, 31, 59]
+    assert S.sglang_reproducible_in([3, 31, 59], "kimi_k25", 61) == [("0.5.10", "0.5.12.post1", [2, 30, 58]),
                                                                        ("0.5.13", "0.5.23", [3, 31, 59])]
     # the 0.5.12 ids served by 0.5.13 capture something else, and vice versa: silently wrong, hence the release
-    assert C.sglang_capture_indices([2, 30, 58], "kimi_k25", "0.5.13", 61) == [2, 30, 58]
-    assert C.sglang_capture_indices([3, 31, 59], "kimi_k25", "0.5.12", 61) == [4, 32, 60]
+    assert S.sglang_capture_indices([2, 30, 58], "kimi_k25", "0.5.13", 61) == [2, 30, 58]
+    assert S.sglang_capture_indices([3, 31, 59], "kimi_k25", "0.5.12", 61) == [4, 32, 60]
 
 
 def test_portable_ids_preferred():
     """Data at HF [2, 30, 58]: [1, 29, 57] works in every deepseek release, [2, 30, 58] only from 0.5.13."""
-    for rel in releases("0.5.4.post2", C.SGLANG_LATEST):
-        assert C.sglang_ids_for([2, 30, 58], "deepseek_v3", rel, 61) == [1, 29, 57]
-    assert C.sglang_capture_indices([2, 30, 58], "deepseek_v3", "0.5.13", 61) == [2, 30, 58]  # works, not chosen
-    assert C.sglang_releases_reproducing([1, 29, 57], [2, 30, 58], "deepseek_v3", 61) == [("0.5.4.post2", "0.5.23")]
-    assert C.sglang_releases_reproducing([2, 30, 58], [2, 30, 58], "deepseek_v3", 61) == [("0.5.13", "0.5.23")]
+    for rel in releases("0.5.4.post2", S.SGLANG_LATEST):
+        assert S.sglang_ids_for([2, 30, 58], "deepseek_v3", rel, 61) == [1, 29, 57]
+    assert S.sglang_capture_indices([2, 30, 58], "deepseek_v3", "0.5.13", 61) == [2, 30, 58]  # works, not chosen
+    assert S.sglang_releases_reproducing([1, 29, 57], [2, 30, 58], "deepseek_v3", 61) == [("0.5.4.post2", "0.5.23")]
+    assert S.sglang_releases_reproducing([2, 30, 58], [2, 30, 58], "deepseek_v3", 61) == [("0.5.13", "0.5.23")]
 
 
 def test_gpt_oss_max_equal_L_is_taken_as_is_and_then_never_captured():
     # max(ids) == L: the ids are used as capture indices, and index L is past the end of the layer loop
     with pytest.raises(C.ContractError, match=r"capture index 36 >= L=36.*never captured"):
-        C.sglang_capture_indices([3, 19, 36], "gpt_oss", "0.5.17", 36)  # (+1 would have named 37)
+        S.sglang_capture_indices([3, 19, 36], "gpt_oss", "0.5.17", 36)  # (+1 would have named 37)
     # the same list shifted: max != L -> +1
-    assert C.sglang_capture_indices([3, 19, 35], "gpt_oss", "0.5.17", 37) == [4, 20, 36]
+    assert S.sglang_capture_indices([3, 19, 35], "gpt_oss", "0.5.17", 37) == [4, 20, 36]
 
 
 @pytest.mark.parametrize("model_type, release", [("llama", "0.4.9"), ("qwen3", "0.5.23"), ("deepseek_v3", "0.5.5"),
                                                  ("deepseek_v3", "0.5.23"), ("kimi_k25", "0.5.13"),
                                                  ("gpt_oss", "0.5.20")])
 def test_missing_ids_capture_the_sglang_default(model_type, release):
-    assert C.sglang_capture_indices(None, model_type, release, 61) == [2, 30, 58]
-    assert C.sglang_capture_indices(None, model_type, release, 32) == [2, 16, 29]
+    assert S.sglang_capture_indices(None, model_type, release, 61) == [2, 30, 58]
+    assert S.sglang_capture_indices(None, model_type, release, 32) == [2, 16, 29]
 
 
 def test_release_parsing_and_order():
     order = ["0.4.9", "0.4.9.post6", "0.4.10", "0.5.4", "0.5.4.post1", "0.5.4.post2", "0.5.5", "0.5.10",
              "0.5.10.post1", "0.5.11", "0.5.12.post1", "0.5.13", "0.5.23"]
-    assert sorted(order, key=C.parse_release) == order
-    assert list(C.SGLANG_RELEASES) == sorted(C.SGLANG_RELEASES, key=C.parse_release)
-    assert C.compare_releases("0.5.13", "0.5.12.post1") == 1 and C.compare_releases("0.5.4", "0.5.4.post1") == -1
-    assert C.compare_releases("v0.5.9", "0.5.9") == 0 and str(C.parse_release("0.5.4.post1")) == "0.5.4.post1"
-    assert C.SGLANG_LATEST == C.SGLANG_RELEASES[-1] == "0.5.23"
+    assert sorted(order, key=S.parse_release) == order
+    assert list(S.SGLANG_RELEASES) == sorted(S.SGLANG_RELEASES, key=S.parse_release)
+    assert S.compare_releases("0.5.13", "0.5.12.post1") == 1 and S.compare_releases("0.5.4", "0.5.4.post1") == -1
+    assert S.compare_releases("v0.5.9", "0.5.9") == 0 and str(S.parse_release("0.5.4.post1")) == "0.5.4.post1"
+    assert S.SGLANG_LATEST == S.SGLANG_RELEASES[-1] == "0.5.23"
 
 
 def test_table_covers_every_known_release_once():
-    for family, rows in C.SGLANG_RULES.items():
-        for rel in C.SGLANG_RELEASES:
-            r = C.parse_release(rel)
-            hits = [rule for a, b, rule in rows if C.parse_release(a) <= r <= C.parse_release(b)]
+    for family, rows in S.SGLANG_RULES.items():
+        for rel in S.SGLANG_RELEASES:
+            r = S.parse_release(rel)
+            hits = [rule for a, b, rule in rows if S.parse_release(a) <= r <= S.parse_release(b)]
             assert len(hits) == 1, (family, rel, hits)
     # Kimi-K2.5 delegates to deepseek_v2 from 0.5.10
-    for rel in releases("0.5.10", C.SGLANG_LATEST):
-        assert C.sglang_rule("kimi_k25", rel) == C.sglang_rule("deepseek_v2", rel)
+    for rel in releases("0.5.10", S.SGLANG_LATEST):
+        assert S.sglang_rule("kimi_k25", rel) == S.sglang_rule("deepseek_v2", rel)
 
 
 def test_serving_family():
-    assert {m: C.serving_family(m) for m in ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2",
+    assert {m: S.serving_family(m) for m in ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2",
                                              "kimi_k25", "gpt_oss")} == {
         "llama": "llama", "qwen2": "llama", "qwen3": "llama", "qwen3_moe": "llama", "deepseek_v3": "deepseek_v2",
         "kimi_k2": "deepseek_v2", "kimi_k25": "kimi_k25", "gpt_oss": "gpt_oss"}
     for bad in ("mixtral", "", None):
         with pytest.raises(C.ContractError, match="no known SGLang"):
-            C.serving_family(bad)
+            S.serving_family(bad)
 
 
 def test_vllm_reads_hf_indices_and_is_not_portable():
-    assert C.vllm_capture_indices([3, 31, 59]) == [3, 31, 59] and C.vllm_ids_for([3, 31, 59]) == [3, 31, 59]
-    assert C.vllm_capture_indices(None, 61) == [2, 30, 58]
-    assert C.vllm_ids_for([3, 31, 59]) != C.sglang_ids_for([3, 31, 59], "kimi_k25", "0.5.12", 61)
+    assert S.vllm_capture_indices([3, 31, 59]) == [3, 31, 59] and S.vllm_ids_for([3, 31, 59]) == [3, 31, 59]
+    assert S.vllm_capture_indices(None, 61) == [2, 30, 58]
+    assert S.vllm_ids_for([3, 31, 59]) != S.sglang_ids_for([3, 31, 59], "kimi_k25", "0.5.12", 61)
 
 
 def test_cuda_graph_rule():
-    assert C.needs_disable_cuda_graph([3, 31, 59], "0.5.10.post1", 61)
-    assert C.needs_disable_cuda_graph([3, 31, 59], "0.4.9", 61)
-    assert not C.needs_disable_cuda_graph([3, 31, 59], "0.5.11", 61)
-    assert not C.needs_disable_cuda_graph([2, 30, 58], "0.5.10", 61)  # the default is what the graphs capture
+    assert S.needs_disable_cuda_graph([3, 31, 59], "0.5.10.post1", 61)
+    assert S.needs_disable_cuda_graph([3, 31, 59], "0.4.9", 61)
+    assert not S.needs_disable_cuda_graph([3, 31, 59], "0.5.11", 61)
+    assert not S.needs_disable_cuda_graph([2, 30, 58], "0.5.10", 61)  # the default is what the graphs capture
 
 
 # ---------------------------------------------------------------------------------------------- refusals
@@ -156,10 +157,10 @@ def test_cuda_graph_rule():
 ])
 def test_inverse_refusals(model_type, release, L, capture, match):
     if match is None:  # the control: the same call with a good release works
-        assert C.sglang_ids_for(capture, model_type, release, L) == [c - 1 for c in capture]
+        assert S.sglang_ids_for(capture, model_type, release, L) == [c - 1 for c in capture]
         return
     with pytest.raises(C.ContractError, match=match):
-        C.sglang_ids_for(capture, model_type, release, L)
+        S.sglang_ids_for(capture, model_type, release, L)
 
 
 @pytest.mark.parametrize("ids, release, L, match", [
@@ -172,9 +173,9 @@ def test_inverse_refusals(model_type, release, L, capture, match):
 ])
 def test_forward_refusals(ids, release, L, match):
     with pytest.raises(C.ContractError, match=match):
-        C.sglang_capture_indices(ids, "llama", release, L)
-    assert C.sglang_capture_indices([2, 15, 28], "llama", "0.5.12", 32) == [3, 16, 29]
-    assert C.sglang_capture_indices([2, 15], "llama", "0.5.12", 32) == [3, 16]  # 2 aux ids allowed from 0.5.12
+        S.sglang_capture_indices(ids, "llama", release, L)
+    assert S.sglang_capture_indices([2, 15, 28], "llama", "0.5.12", 32) == [3, 16, 29]
+    assert S.sglang_capture_indices([2, 15], "llama", "0.5.12", 32) == [3, 16]  # 2 aux ids allowed from 0.5.12
 
 
 # ============================================================================================ the export
@@ -262,7 +263,7 @@ def test_export_of_a_trained_run(tiny_run, tmp_path):
     assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 3], "use_aux_hidden_state": True}
 
     assert prov == json.load(open(os.path.join(out, "eagle3_provenance.json")))
-    assert prov["engine"] == "sglang" and prov["sglang_release"] == C.SGLANG_LATEST
+    assert prov["engine"] == "sglang" and prov["sglang_release"] == S.SGLANG_LATEST
     assert prov["capture"]["hidden_state_indices"] == capture and prov["served_capture_indices"] == capture
     assert prov["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3] and prov["step"] == 4
     assert prov["target"]["model_type"] == "llama" and prov["target"]["num_hidden_layers"] == 6

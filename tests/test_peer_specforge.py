@@ -57,7 +57,7 @@ def our_run(convs, tmp_path_factory):
 def test_peer_trains_exports_and_decodes_losslessly(our_run):
     from eagle3.eval.speculative import evaluate, load_drafter_from_export
     from eagle3.export.sglang import load_export
-    from eagle3.train.target_weights import load_embedding_and_head
+    from eagle3.target.weights import load_embedding_and_head
     out = str(our_run["root"] / "peer")
     cmd = [sys.executable, SCRIPT, "--run", our_run["run"], "--dump", our_run["dump"], "--target", our_run["target"],
            "--vocab", os.path.join(our_run["run"], "vocab.safetensors"), "--template-export", our_run["export"],
@@ -119,7 +119,7 @@ def test_same_weights_same_outputs_and_the_loss_difference(our_run):
     from eagle3.data.loader import BatchPlan, make_loader
     from eagle3.train.drafter import DrafterConfig, Eagle3Drafter
     from eagle3.train.loss import eagle3_loss, teacher
-    from eagle3.train.target_weights import load_embedding_and_head
+    from eagle3.target.weights import load_embedding_and_head
 
     peer = _script()
     sf = peer.import_specforge("cpu")

@@ -9,7 +9,7 @@ import pytest
 @pytest.mark.slow
 def test_quickstart_reduced(tmp_path):
     from eagle3.export.sglang import load_export
-    from eagle3.quickstart import QuickstartConfig, run_quickstart
+    from eagle3.cli.quickstart import QuickstartConfig, run_quickstart
     out = str(tmp_path / "qs")
     s = run_quickstart(QuickstartConfig(out=out, num_samples=16, max_length=256, regen_max_new_tokens=12,
                                         train_steps=3, token_budget=1024, draft_steps=3, eval_prompts=2,

@@ -140,7 +140,7 @@ def _stops(tok) -> set[int]:
 def test_engine_generate_is_token_exact_with_naive_greedy(word_target, batching):
     """Left-padded batch + KV cache (model.generate), and continuous batching with its paged cache
     (model.generate_batch) == unbatched, uncached argmax, token for token."""
-    from eagle3.dump.targets import load_target, load_tokenizer
+    from eagle3.target.load import load_target, load_tokenizer
     cfg = RegenConfig(data=[], out="", max_new_tokens=14, batching=batching)
     engine = HFEngine(word_target, torch.float32, torch.device("cpu"), cfg)
     assert engine.continuous == (batching == "continuous")
@@ -195,7 +195,7 @@ def _naive_conversation(model, tok, messages, max_new):
 
 @pytest.mark.parametrize("batching", ["padded", "continuous"])
 def test_hf_multi_turn_greedy_equals_naive_conversations(word_target, chats, tmp_path, batching):
-    from eagle3.dump.targets import load_target, load_tokenizer
+    from eagle3.target.load import load_target, load_tokenizer
     rec = regen(chats, tmp_path / "out", word_target, batch_size=4, max_new_tokens=12, batching=batching)
     tok, model = load_tokenizer(word_target), load_target(word_target, torch.float32, torch.device("cpu"))
     items, skipped, read = read_items([chats], None)
@@ -337,7 +337,7 @@ def test_hf_reasoning_modes(think_target, tmp_path):
 
 
 def test_normalize_keeps_reasoning_content_for_the_template(think_target, tmp_path):
-    from eagle3.dump.targets import load_tokenizer
+    from eagle3.target.load import load_tokenizer
     tok = load_tokenizer(think_target)
     data = write_jsonl(tmp_path / "r.jsonl", [
         {"messages": [{"role": "user", "content": "the fox", "reasoning_content": "ignored on a user turn"},
@@ -456,7 +456,7 @@ def test_max_turns_and_max_prompt_tokens(word_target, chats, tmp_path):
     with pytest.raises(ValueError, match="--max-turns must be >= 1"):
         regen(chats, tmp_path / "x", word_target, max_turns=0)
 
-    from eagle3.dump.targets import load_tokenizer
+    from eagle3.target.load import load_tokenizer
     tok = load_tokenizer(word_target)
 
     def prompt_len(messages):
@@ -668,7 +668,7 @@ def test_server_with_target_records_identity_and_reasoning_reaches_the_dump(thin
     """--server with --target DIR: the identity of DIR is recorded, so the dump of that target accepts the data;
     reasoning_content kept from the server is rendered by the template into the loss-masked tokens."""
     from eagle3.dump.job import DumpConfig, run_dump
-    from eagle3.dump.targets import load_tokenizer
+    from eagle3.target.load import load_tokenizer
     with fake_server("--reasoning") as url:
         rec = regen(chats, tmp_path / "regen", think_target, servers=[url], num_samples=3)
     assert rec["identity"]["config_sha256"] == rec["target"]["config_sha256"]

@@ -68,7 +68,7 @@ def make_target(path: str, kind: str = "llama", seed: int = 0, tokenizer=None, l
 def reference_hidden_states(path: str, input_ids: torch.Tensor, attention_mask=None, dtype=torch.float32):
     """Plain top-level forward with output_hidden_states=True: the contract's definition of HF index k.
     Returns (hidden_states, logits, model)."""
-    from eagle3.dump.targets import load_target
+    from eagle3.target.load import load_target
     model = load_target(path, dtype, torch.device("cpu"))
     with torch.no_grad():
         out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
@@ -101,7 +101,7 @@ def self_distilled_conversations(target: str, source: str, out_path: str, max_ne
     """Conversations whose assistant turn is the target's own greedy continuation of the first user turn -- the
     data a drafter should be trained on to accept well on that target's generations."""
     from eagle3.dump.conversations import read_conversations
-    from eagle3.dump.targets import load_target, load_tokenizer
+    from eagle3.target.load import load_target, load_tokenizer
     tok = load_tokenizer(target)
     model = load_target(target, torch.float32, torch.device("cpu"))
     with open(out_path, "w") as f:

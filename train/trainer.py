@@ -100,7 +100,7 @@ class DrafterTrainStep(nn.Module):
 
 def check_target_matches_dumps(target_dir: str, manifest: C.DumpManifest) -> None:
     """The target named for training must be the one the dumps were made with."""
-    from eagle3.dump.targets import load_tokenizer, target_info, tokenizer_info
+    from eagle3.target.load import load_tokenizer, target_info, tokenizer_info
     info, tok = target_info(target_dir), tokenizer_info(load_tokenizer(target_dir))
     mine = {"target.config_sha256": info.config_sha256, "target.architecture": info.architecture,
             "target.hidden_size": info.hidden_size, "target.vocab_size": info.vocab_size,
@@ -113,7 +113,7 @@ def drafter_config(cfg: TrainConfig, target_dir: str, num_aux: int):
     """Drafter shape: a configs/drafters preset (or the target's own attention/MLP shape for 'auto'), with the
     vocab and target hidden size always taken from the target."""
     from eagle3 import presets
-    from eagle3.dump.targets import read_config, text_config_dict
+    from eagle3.target.load import read_config, text_config_dict
     from eagle3.train.drafter import DrafterConfig
     t = text_config_dict(read_config(target_dir))
     rope = t.get("rope_parameters") or {}
@@ -437,7 +437,7 @@ def train(cfg: TrainConfig) -> dict:
     from eagle3.data.loader import BatchPlan, make_loader
     from eagle3.data.vocab import build_vocab, describe_vocab, load_vocab, save_vocab
     from eagle3.train.drafter import Eagle3Drafter
-    from eagle3.train.target_weights import load_embedding_and_head, load_final_norm
+    from eagle3.target.weights import load_embedding_and_head, load_final_norm
 
     D.launcher_env()
     on_gpu = torch.cuda.is_available()

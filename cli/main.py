@@ -49,10 +49,10 @@ def resolve_example(target: str | None, data: list[str]) -> tuple[str | None, li
         from eagle3.dump.example import example_target_dir
         target = example_target_dir()
     elif target is not None:
-        from eagle3.dump.targets import resolve_target
+        from eagle3.target.load import resolve_target
         target = resolve_target(target)
     if data == [EXAMPLE]:
-        from eagle3.dump.conversations import example_sharegpt_jsonl
+        from eagle3.dump.example import example_sharegpt_jsonl
         data = [example_sharegpt_jsonl()[0]]
     elif data:
         from eagle3.dump.conversations import resolve_data
@@ -63,7 +63,7 @@ def resolve_example(target: str | None, data: list[str]) -> tuple[str | None, li
 def cmd_dump(a: argparse.Namespace) -> None:
     from eagle3 import presets
     from eagle3.dump.job import DumpConfig, run_dump
-    from eagle3.dump.targets import read_config, text_config_dict
+    from eagle3.target.load import read_config, text_config_dict
     target, data = resolve_example(a.target, a.data)
     defaults = {"layers": None, "tp": 1, "max_length": 2048, "dtype": "bf16"}
     if a.preset:
@@ -171,7 +171,7 @@ def cmd_example_target(a: argparse.Namespace) -> None:
 def cmd_quickstart(a: argparse.Namespace) -> None:
     """The main job on the embedded default: regenerate -> dump -> vocab -> train -> export -> eval, then a summary."""
     import dataclasses
-    from eagle3.quickstart import QuickstartConfig, run_quickstart
+    from eagle3.cli.quickstart import QuickstartConfig, run_quickstart
     names = {f.name for f in dataclasses.fields(QuickstartConfig)} - {"progress"}
     run_quickstart(QuickstartConfig(**{k: getattr(a, k) for k in names}))
 
@@ -245,7 +245,7 @@ def _step_arg(text: str) -> int | str:
 
 
 def _add_export_sglang(sub) -> None:
-    from eagle3.contract import SGLANG_LATEST
+    from eagle3.export.serving import SGLANG_LATEST
     p = sub.add_parser("export-sglang", help="export a trained drafter for SGLang (LlamaForCausalLMEagle3) or vLLM")
     p.add_argument("--run", required=True, help="training run directory (eagle3 train --out)")
     p.add_argument("--step", type=_step_arg, default=None,
@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("example-target", help="convert (once) and print the example target directory")
     p.set_defaults(fn=cmd_example_target)
-    from eagle3.quickstart import QuickstartConfig
+    from eagle3.cli.quickstart import QuickstartConfig
     q = QuickstartConfig()
     p = sub.add_parser("quickstart", help="the whole pipeline on the embedded default (SmolLM2-135M + ShareGPT)")
     p.add_argument("--out", default=q.out)

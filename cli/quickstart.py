@@ -64,7 +64,7 @@ def run_quickstart(q: QuickstartConfig) -> dict:
 
     from eagle3.data.dumps import DumpSet, split
     from eagle3.data.vocab import build_vocab, describe_vocab, save_vocab
-    from eagle3.dump.conversations import example_sharegpt_jsonl
+    from eagle3.dump.example import example_sharegpt_jsonl
     from eagle3.dump.example import example_target_dir
     from eagle3.dump.job import DumpConfig, run_dump
     from eagle3.dump.regenerate import CONVERSATIONS, RegenConfig, run_regenerate

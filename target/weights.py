@@ -11,7 +11,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from eagle3.dump.targets import read_config, text_config_dict
+from eagle3.target.load import read_config, text_config_dict
 
 # Checkpoint names, most specific first: plain causal LMs, transformers' VLM layout, Kimi-K2.5's original layout.
 EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from eagle3 import contract as C
 from eagle3.contract import ContractError
-from eagle3.dump.targets import Backbone
+from eagle3.target.load import Backbone
 
 
 def _tensor_of(output):
@@ -36,7 +37,7 @@ class HiddenStateCapture:
 
     def __enter__(self):
         for k in self.indices:
-            self._handles.append(self.backbone.layers[k - 1].register_forward_hook(self._hook(k)))
+            self._handles.append(self.backbone.layers[C.layer_for_index(k)].register_forward_hook(self._hook(k)))
         self._handles.append(self.backbone.norm.register_forward_hook(self._hook("final")))
         return self
 

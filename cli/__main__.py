@@ -1,0 +1,3 @@
+from eagle3.cli.main import main
+
+main()
