@@ -352,7 +352,7 @@ def export_peer(draft, template: str, out: str, info: dict) -> dict:
     try:
         save_file(tensors, os.path.join(tmp, X.WEIGHTS_FILE), metadata={"format": "pt"})
         shutil.copyfile(os.path.join(template, X.CONFIG_FILE), os.path.join(tmp, X.CONFIG_FILE))
-        p = json.loads(json.dumps(prov))
+        p = prov.to_dict()
         p["model_safetensors_sha256"] = C.file_sha256(os.path.join(tmp, X.WEIGHTS_FILE))
         p["server_command"] = X.server_command(p["engine"], p["target"]["path"], os.path.abspath(out),
                                                p["target"]["model_type"], bool(p.get("needs_disable_cuda_graph")))
@@ -360,9 +360,8 @@ def export_peer(draft, template: str, out: str, info: dict) -> dict:
         p["step"] = info["steps"]
         p["run_dir"] = None
         p["checkpoint"] = None
-        p["template_export"] = {"path": os.path.abspath(template), "run_dir": prov.get("run_dir"),
-                                "step": prov.get("step"),
-                                "model_safetensors_sha256": prov.get("model_safetensors_sha256")}
+        p["template_export"] = {"path": os.path.abspath(template), "run_dir": prov.run_dir, "step": prov.step,
+                                "model_safetensors_sha256": prov.model_safetensors_sha256}
         p["peer"] = info
         p["notes"] = list(p.get("notes") or []) + [
             f"PEER WEIGHTS: trained by {PEER}'s own EAGLE-3 code (LlamaForCausalLMEagle3 + OnlineEagle3Model, "
@@ -392,7 +391,7 @@ def check_export(sf, out: str, embed: torch.Tensor, batch: dict, ttt: int) -> fl
     from eagle3.eval.speculative import load_drafter_from_export
     ours = load_drafter_from_export(out, embed, torch.float32, torch.device("cpu"))
     config, tensors, prov = load_export(out)
-    draft = build_draft(sf, prov["drafter"], embed, tensors["d2t"], tensors["t2d"], "sdpa", "cpu", torch.float32)
+    draft = build_draft(sf, prov.drafter, embed, tensors["d2t"], tensors["t2d"], "sdpa", "cpu", torch.float32)
     missing, unexpected = draft.load_state_dict({k: v.float() if v.is_floating_point() else v
                                                  for k, v in tensors.items()}, strict=False)
     if set(missing) != {"embed_tokens.weight"} or unexpected:
@@ -444,8 +443,8 @@ def main(argv=None) -> dict:
     manifest = dumps.manifest
     check_target_matches_dumps(a.target, manifest)
     config, template_tensors, prov = load_export(a.template_export)
-    C.require_same_capture(prov["identity"], manifest.identity(), f"template export {a.template_export}", "the dumps")
-    drafter = prov["drafter"]
+    C.require_same_capture(prov.identity, manifest.identity(), f"template export {a.template_export}", "the dumps")
+    drafter = prov.drafter
     for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
               "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size", "draft_vocab_size",
               "target_hidden_size"):

@@ -225,14 +225,14 @@ def cmd_export_sglang(a: argparse.Namespace) -> None:
     from eagle3.export.sglang import export_drafter
     prov = export_drafter(a.run, a.out, step=a.step, engine=a.engine, sglang_version=a.sglang_version,
                           allow_cuda_graph_mismatch=a.allow_cuda_graph_mismatch)
-    where = f"SGLang {prov['sglang_release']}" if prov["engine"] == "sglang" else "vLLM"
-    print(f"exported step {prov['step']} of {a.run} -> {a.out}")
-    print(f"eagle_aux_hidden_state_layer_ids: {prov['eagle_aux_hidden_state_layer_ids']}")
-    print(f"{where} will capture HF {prov['served_capture_indices']} (trained on HF "
-          f"{prov['capture']['hidden_state_indices']})")
-    for note in prov["notes"]:
+    where = f"SGLang {prov.sglang_release}" if prov.engine == "sglang" else "vLLM"
+    print(f"exported step {prov.step} of {a.run} -> {a.out}")
+    print(f"eagle_aux_hidden_state_layer_ids: {prov.eagle_aux_hidden_state_layer_ids}")
+    print(f"{where} will capture HF {prov.served_capture_indices} (trained on HF "
+          f"{prov.capture.hidden_state_indices})")
+    for note in prov.notes:
         print(f"note: {note}")
-    print(prov["server_command"])
+    print(prov.server_command)
 
 
 def _step_arg(text: str) -> int | str:

@@ -180,7 +180,7 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     tot = manifest.totals
     ev = train_result.get("best") or train_result.get("eval", {})  # the held-out record of the exported weights
     server = server_command("sglang", os.path.abspath(target), os.path.abspath(export_dir),
-                            prov["target"]["model_type"], prov["needs_disable_cuda_graph"], steps=q.draft_steps)
+                            prov.target.model_type, prov.needs_disable_cuda_graph, steps=q.draft_steps)
     counts = regen.get("counts", {})
     rows = [
         ("regenerated", f"{counts.get('conversations', '?')} conversations, {counts.get('generated_tokens', 0):,} "
@@ -209,7 +209,7 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
-    summary = {"times": times, "eval": report, "train": train_result, "heldout_replay": ev, "export": prov,
+    summary = {"times": times, "eval": report, "train": train_result, "heldout_replay": ev, "export": prov.to_dict(),
                "serve": server, "dump_totals": tot, "regenerate": regen}
     with open(os.path.join(q.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)

@@ -33,17 +33,13 @@ import torch
 
 from eagle3 import contract as C
 from eagle3.export import serving as S
+from eagle3.records import (CKPT_FILE, DRAFTER_WEIGHTS_FILE, EXPORT_CONFIG_FILE as CONFIG_FILE, EXPORT_FILES,
+                            EXPORT_FORMAT, EXPORT_WEIGHTS_FILE as WEIGHTS_FILE, PROVENANCE_FILE, RUN_FILE, VOCAB_FILE,
+                            CheckpointRecord, ExportProvenance, RunRecord, find_checkpoint)
 
-EXPORT_FORMAT = "eagle3-export"
-EXPORT_FORMAT_VERSION = 1
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-PROVENANCE_FILE = "eagle3_provenance.json"
-EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, PROVENANCE_FILE)
 ENGINES = ("sglang", "vllm")
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 EXPORT_DTYPE = torch.bfloat16
-CHECKPOINTS_DIR = "checkpoints"
 
 NOT_PORTABLE = ("explicit eagle_aux_hidden_state_layer_ids are NOT portable between SGLang and vLLM: vLLM reads them "
                 "as HF hidden_states indices, SGLang shifts them by a family- and release-dependent rule")
@@ -51,45 +47,6 @@ NOT_PORTABLE = ("explicit eagle_aux_hidden_state_layer_ids are NOT portable betw
 
 class ExportError(ValueError):
     """The export cannot be done as asked (missing checkpoint, occupied output directory, ...)."""
-
-
-# ------------------------------------------------------------------------------------------------ the run
-
-BEST = "best"
-
-
-def find_checkpoint(run_dir: str, step: int | str | None = None) -> tuple[str, int]:
-    """(checkpoint directory, step): the given step, 'best' (checkpoints/best), else the newest one holding the
-    consolidated drafter."""
-    from eagle3.train.trainer import CKPT_FILE, WEIGHTS_FILE as DRAFTER_WEIGHTS
-    root = os.path.join(run_dir, CHECKPOINTS_DIR)
-    if not os.path.isdir(root):
-        raise FileNotFoundError(f"{run_dir}: no {CHECKPOINTS_DIR}/ (not an eagle3 training run, or no checkpoint yet)")
-
-    def complete(tag: str) -> bool:
-        d = os.path.join(root, tag)
-        return os.path.isfile(os.path.join(d, CKPT_FILE)) and os.path.isfile(os.path.join(d, DRAFTER_WEIGHTS))
-
-    tags = sorted(t for t in os.listdir(root) if t.startswith("step") and t[4:].isdigit())
-    if step == BEST:  # the trainer's checkpoints/best: best held-out decoding acceptance
-        from eagle3.train.trainer import BEST_DIR
-        if not complete(BEST_DIR):
-            raise FileNotFoundError(f"{run_dir}: no complete {CHECKPOINTS_DIR}/{BEST_DIR} (it is written at held-out "
-                                    "evaluations; a run without a held-out split has none)")
-        return os.path.join(root, BEST_DIR), int(C.read_json(os.path.join(root, BEST_DIR, CKPT_FILE))["step"])
-    if step is not None:
-        tag = f"step{int(step):08d}"
-        if tag not in tags or not complete(tag):
-            raise FileNotFoundError(f"{run_dir}: no complete checkpoint for step {step} (have: "
-                                    f"{', '.join(str(int(t[4:])) for t in tags if complete(t)) or 'none'})")
-        return os.path.join(root, tag), int(step)
-    done = [t for t in tags if complete(t)]
-    if not done:
-        raise FileNotFoundError(f"{run_dir}: no checkpoint with {DRAFTER_WEIGHTS} and {CKPT_FILE}")
-    if tags[-1] != done[-1]:
-        print(f"[export] note: {tags[-1]} is incomplete (no {DRAFTER_WEIGHTS}/{CKPT_FILE}); using {done[-1]}",
-              file=sys.stderr)
-    return os.path.join(root, done[-1]), int(done[-1][4:])
 
 
 def check_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], source: str,
@@ -134,32 +91,28 @@ def _load_run(run_dir: str, step: int | None):
     from safetensors.torch import load_file
     from eagle3.train.checkpoint import check_files
     from eagle3.train.drafter import DrafterConfig, tensor_shapes
-    from eagle3.train.trainer import CKPT_FILE, RUN_FILE, VOCAB_FILE, WEIGHTS_FILE as DRAFTER_WEIGHTS
 
-    run = C.read_json(os.path.join(run_dir, RUN_FILE))
-    if run.get("format") != "eagle3-run":
-        raise C.ContractError(f"{run_dir}/{RUN_FILE}: not an eagle3 training run (format={run.get('format')!r})")
+    run = RunRecord.read(os.path.join(run_dir, RUN_FILE))
     ckpt_dir, step = find_checkpoint(run_dir, step)
-    rec = C.read_json(os.path.join(ckpt_dir, CKPT_FILE))
-    C.require_same_capture(run.get("identity", {}), rec.get("identity", {}), f"{run_dir}/{RUN_FILE}",
-                           f"{ckpt_dir}/{CKPT_FILE}")
-    if rec.get("step") is not None and int(rec["step"]) != step:
-        raise C.ContractError(f"{ckpt_dir}/{CKPT_FILE}: records step {rec['step']}, directory says {step}")
+    rec = CheckpointRecord.read(os.path.join(ckpt_dir, CKPT_FILE))
+    C.require_same_capture(run.identity, rec.identity, f"{run_dir}/{RUN_FILE}", f"{ckpt_dir}/{CKPT_FILE}")
+    if rec.step != step:
+        raise C.ContractError(f"{ckpt_dir}/{CKPT_FILE}: records step {rec.step}, directory says {step}")
+    target, cap = rec.target, rec.capture
     try:
-        target = C.TargetInfo(**rec["target"])
-        cap = C.CaptureSpec(**rec["capture"])
-        dcfg = DrafterConfig.from_dict(rec["drafter"])
+        dcfg = DrafterConfig.from_dict(rec.drafter)
     except (KeyError, TypeError, ValueError) as e:
         raise C.ContractError(f"{ckpt_dir}/{CKPT_FILE}: malformed checkpoint record ({e})") from e
     if cap.convention != "hf_hidden_states_index":
         raise C.ContractError(f"{ckpt_dir}/{CKPT_FILE}: capture convention {cap.convention!r} is not "
                               "'hf_hidden_states_index'")
     capture = C.validate_indices(cap.hidden_state_indices, target.num_hidden_layers)
-    if capture != list(cap.hidden_state_indices) or capture != rec["identity"]["capture.hidden_state_indices"]:
+    recorded = rec.identity.get("capture.hidden_state_indices")
+    if capture != list(cap.hidden_state_indices) or capture != recorded:
         raise C.ContractError(f"{ckpt_dir}/{CKPT_FILE}: capture {cap.hidden_state_indices} is not ascending or "
-                              f"disagrees with the run identity {rec['identity'].get('capture.hidden_state_indices')}")
-    if rec.get("standardize") != C.STANDARDIZE_VERSION:
-        raise C.ContractError(f"{ckpt_dir}/{CKPT_FILE}: trained on standardize {rec.get('standardize')!r}; this "
+                              f"disagrees with the run identity {recorded}")
+    if rec.standardize != C.STANDARDIZE_VERSION:
+        raise C.ContractError(f"{ckpt_dir}/{CKPT_FILE}: trained on standardize {rec.standardize!r}; this "
                               f"exporter knows {C.STANDARDIZE_VERSION!r} (aux states concatenated low -> high)")
     if dcfg.num_aux_layers != len(capture):
         raise C.ContractError(f"drafter num_aux_layers={dcfg.num_aux_layers} but the checkpoint records "
@@ -167,16 +120,16 @@ def _load_run(run_dir: str, step: int | None):
     if dcfg.target_hidden_size != target.hidden_size or dcfg.vocab_size != target.vocab_size:
         raise C.ContractError(f"drafter target_hidden_size/vocab_size {dcfg.target_hidden_size}/{dcfg.vocab_size} "
                               f"!= target hidden_size/vocab_size {target.hidden_size}/{target.vocab_size}")
-    check_files(ckpt_dir, rec, [DRAFTER_WEIGHTS])  # the bytes the trainer wrote: a flipped bit is refused here
-    weights = load_file(os.path.join(ckpt_dir, DRAFTER_WEIGHTS))
-    check_tensors(weights, tensor_shapes(dcfg), f"{ckpt_dir}/{DRAFTER_WEIGHTS}")
+    check_files(ckpt_dir, rec, [DRAFTER_WEIGHTS_FILE])  # the bytes the trainer wrote: a flipped bit is refused here
+    weights = load_file(os.path.join(ckpt_dir, DRAFTER_WEIGHTS_FILE))
+    check_tensors(weights, tensor_shapes(dcfg), f"{ckpt_dir}/{DRAFTER_WEIGHTS_FILE}")
     vocab_path = os.path.join(run_dir, VOCAB_FILE)
     if os.path.isfile(vocab_path):
         from safetensors import safe_open
         with safe_open(vocab_path, "pt") as f:
             if not (torch.equal(f.get_tensor("d2t"), weights["d2t"]) and torch.equal(f.get_tensor("t2d"),
                                                                                       weights["t2d"])):
-                raise C.ContractError(f"{ckpt_dir}/{DRAFTER_WEIGHTS}: d2t/t2d differ from the run's {vocab_path}")
+                raise C.ContractError(f"{ckpt_dir}/{DRAFTER_WEIGHTS_FILE}: d2t/t2d differ from the run's {vocab_path}")
     return run, rec, ckpt_dir, step, dcfg, capture, target, weights
 
 
@@ -241,7 +194,7 @@ def _is_previous_export(path: str) -> bool:
 
 
 def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: str = "sglang",
-                   sglang_version: str = S.SGLANG_LATEST, allow_cuda_graph_mismatch: bool = False) -> dict:
+                   sglang_version: str = S.SGLANG_LATEST, allow_cuda_graph_mismatch: bool = False) -> ExportProvenance:
     """Export checkpoint `step` (default: the latest) of training run `run_dir` into `out_dir`; returns the
     provenance written to out_dir/eagle3_provenance.json."""
     from safetensors.torch import save_file
@@ -291,43 +244,29 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
                for k in shapes}
     check_tensors(tensors, shapes, "the converted tensors", float_dtype=EXPORT_DTYPE)
     config = draft_config(dcfg, ids)
-    provenance = {
-        "format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION,
-        "engine": engine,
-        "sglang_release": release,
-        "serving_family": family,
-        "capture": {"hidden_state_indices": capture, "convention": "hf_hidden_states_index"},
-        "eagle_aux_hidden_state_layer_ids": ids,
-        "served_capture_indices": served,
-        "ids_reproduce_capture_in_sglang": (None if reproducing is None
-                                            else [{"first": a, "last": b} for a, b in reproducing]),
-        "needs_disable_cuda_graph": disable_cg,
-        "cuda_graph_default_capture": default,
-        "server_command": server_command(engine, target.path, out, target.model_type, disable_cg),
-        "target": {"architecture": target.architecture, "model_type": target.model_type,
-                   "config_sha256": target.config_sha256, "num_hidden_layers": L,
-                   "hidden_size": target.hidden_size, "vocab_size": target.vocab_size, "path": target.path},
-        "identity": rec["identity"],
-        "run_dir": os.path.abspath(run_dir),
-        "step": step,
-        "checkpoint": os.path.abspath(ckpt_dir),
-        "standardize": rec["standardize"],
-        "drafter": dcfg.to_dict(),
-        "vocab": {k: rec.get("vocab_meta", {}).get(k) for k in ("draft_vocab_size", "coverage")},
-        "notes": notes,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    provenance = ExportProvenance(
+        engine=engine, sglang_release=release, serving_family=family,
+        capture=C.CaptureSpec(hidden_state_indices=capture, convention="hf_hidden_states_index"),
+        eagle_aux_hidden_state_layer_ids=ids, served_capture_indices=served,
+        ids_reproduce_capture_in_sglang=(None if reproducing is None
+                                         else [{"first": a, "last": b} for a, b in reproducing]),
+        needs_disable_cuda_graph=disable_cg, cuda_graph_default_capture=default,
+        server_command=server_command(engine, target.path, out, target.model_type, disable_cg),
+        target=target, identity=rec.identity, run_dir=os.path.abspath(run_dir), step=step,
+        checkpoint=os.path.abspath(ckpt_dir), standardize=rec.standardize, drafter=dcfg.to_dict(),
+        vocab={k: rec.vocab_meta.get(k) for k in ("draft_vocab_size", "coverage")}, notes=notes,
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
     try:
         save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
-        provenance["model_safetensors_sha256"] = C.file_sha256(os.path.join(tmp, WEIGHTS_FILE))
+        provenance.model_safetensors_sha256 = C.file_sha256(os.path.join(tmp, WEIGHTS_FILE))
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(config, f, indent=2)
         with open(os.path.join(tmp, PROVENANCE_FILE), "w") as f:
-            json.dump(provenance, f, indent=1)
+            json.dump(provenance.to_dict(), f, indent=1)
         # Read back what was written, as a server would: sha256, ids -> served capture == trained capture, shapes.
         load_export(tmp)
         if os.path.exists(out):
@@ -348,7 +287,7 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
 _FOREIGN_HINT = "a drafter from elsewhere: pass allow_foreign (eagle3 eval --allow-foreign-export) to use it anyway"
 
 
-def _read_provenance(export_dir: str, allow_foreign: bool = False) -> dict | None:
+def _read_provenance(export_dir: str, allow_foreign: bool = False) -> ExportProvenance | None:
     """The export's provenance; None for an export without one (a drafter from elsewhere), only if
     `allow_foreign`: without it nothing says what the drafter was trained on, so its ids cannot be checked."""
     path = os.path.join(export_dir, PROVENANCE_FILE)
@@ -358,10 +297,7 @@ def _read_provenance(export_dir: str, allow_foreign: bool = False) -> dict | Non
         raise C.ContractError(f"{export_dir}: no {PROVENANCE_FILE}, so nothing records which hidden states the "
                               f"drafter was trained on and its eagle_aux_hidden_state_layer_ids cannot be checked "
                               f"({_FOREIGN_HINT})")
-    prov = C.read_json(path)
-    if prov.get("format") != EXPORT_FORMAT or prov.get("format_version") != EXPORT_FORMAT_VERSION:
-        raise C.ContractError(f"{path}: not an {EXPORT_FORMAT} v{EXPORT_FORMAT_VERSION} provenance")
-    return prov
+    return ExportProvenance.read(path)  # ContractError naming the file and the key it lacks
 
 
 def _served_capture(config: dict, engine: str, model_type: str, release: str | None, num_layers: int) -> list[int]:
@@ -377,35 +313,33 @@ def _served_capture(config: dict, engine: str, model_type: str, release: str | N
     return S.sglang_capture_indices(ids, model_type, release, num_layers)
 
 
-def _check_ids_against_provenance(export_dir: str, config: dict, prov: dict, allow_foreign: bool) -> list[int]:
+def _check_ids_against_provenance(export_dir: str, config: dict, prov: ExportProvenance,
+                                  allow_foreign: bool) -> list[int]:
     """What the provenance's server captures with config.json's ids; refused (with `allow_foreign`: a warning)
     unless it is exactly the capture the drafter was trained on, since other states silently cost acceptance."""
     where = f"{export_dir}/{CONFIG_FILE}"
+    trained = prov.capture.hidden_state_indices
     try:
-        target = prov["target"]
-        served = _served_capture(config, prov["engine"], target["model_type"], prov.get("sglang_release"),
-                                 target["num_hidden_layers"])
-        trained = prov["capture"]["hidden_state_indices"]
-    except KeyError as e:
-        raise C.ContractError(f"{export_dir}/{PROVENANCE_FILE}: lacks {e}") from e
+        served = _served_capture(config, prov.engine, prov.target.model_type, prov.sglang_release,
+                                 prov.target.num_hidden_layers)
     except C.ContractError as e:
         raise C.ContractError(f"{where}: eagle_aux_hidden_state_layer_ids cannot be served: {e}") from e
     if served != trained:
-        server = "vLLM" if prov["engine"] == "vllm" else f"SGLang {prov.get('sglang_release')}"
+        server = "vLLM" if prov.engine == "vllm" else f"SGLang {prov.sglang_release}"
         msg = (f"{where}: eagle_aux_hidden_state_layer_ids "
                f"{(config.get('eagle_config') or {}).get('eagle_aux_hidden_state_layer_ids')} make {server} capture "
                f"HF {served}, but {PROVENANCE_FILE} says the drafter was trained on HF {trained} (ids "
-               f"{prov.get('eagle_aux_hidden_state_layer_ids')})")
+               f"{prov.eagle_aux_hidden_state_layer_ids})")
         if not allow_foreign:
             raise C.ContractError(f"{msg}; re-export, or {_FOREIGN_HINT}")
         print(f"warning: {msg}; used anyway (allow_foreign)", file=sys.stderr)
     return served
 
 
-def _verify_weights(export_dir: str, prov: dict) -> None:
+def _verify_weights(export_dir: str, prov: ExportProvenance) -> None:
     """sha256 of the weight file against the one the exporter recorded: a flipped bit loads silently otherwise."""
     path = os.path.join(export_dir, WEIGHTS_FILE)
-    recorded = prov.get("model_safetensors_sha256")
+    recorded = prov.model_safetensors_sha256
     if not recorded:
         raise C.ContractError(f"{export_dir}/{PROVENANCE_FILE}: records no model_safetensors_sha256, so {path} "
                               "cannot be verified; re-export")
@@ -417,7 +351,7 @@ def _verify_weights(export_dir: str, prov: dict) -> None:
                               "(corrupted or modified after the export); re-export")
 
 
-def export_num_aux_layers(config: dict, prov: dict | None, where: str = CONFIG_FILE) -> int:
+def export_num_aux_layers(config: dict, prov: ExportProvenance | None, where: str = CONFIG_FILE) -> int:
     """How many target hidden states the server concatenates into fc: those its forward rule captures with
     config.json's ids (docs/contract.md §7); for an export without provenance, one per id. The one rule for an
     export's num_aux_layers: load_export checks fc against it, eval builds its drafter with it."""
@@ -427,12 +361,11 @@ def export_num_aux_layers(config: dict, prov: dict | None, where: str = CONFIG_F
             raise C.ContractError(f"{where}: no eagle_config.eagle_aux_hidden_state_layer_ids and no "
                                   f"{PROVENANCE_FILE}: set the ids explicitly")
         return len(ids)
-    target = prov["target"]
-    return len(_served_capture(config, prov["engine"], target["model_type"], prov.get("sglang_release"),
-                               target["num_hidden_layers"]))
+    return len(_served_capture(config, prov.engine, prov.target.model_type, prov.sglang_release,
+                               prov.target.num_hidden_layers))
 
 
-def export_drafter_config(config: dict, prov: dict | None, where: str = CONFIG_FILE):
+def export_drafter_config(config: dict, prov: ExportProvenance | None, where: str = CONFIG_FILE):
     """The DrafterConfig of an export (the inverse of draft_config): config.json's fields, num_aux_layers by
     export_num_aux_layers. ContractError when config.json lacks a field or holds one the drafter cannot take."""
     from dataclasses import fields
@@ -445,7 +378,8 @@ def export_drafter_config(config: dict, prov: dict | None, where: str = CONFIG_F
         raise C.ContractError(f"{where}: not a drafter config ({e})") from e
 
 
-def load_export(export_dir: str, allow_foreign: bool = False) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
+def load_export(export_dir: str,
+                allow_foreign: bool = False) -> tuple[dict, dict[str, torch.Tensor], ExportProvenance | None]:
     """(config, tensors, provenance) of an export, after checking, in this order: model.safetensors' sha256
     against the provenance; that config.json's ids make the provenance's server capture exactly the states the
     drafter was trained on; every tensor's name, dtype and shape against config.json (fc's in-features = the
@@ -487,9 +421,9 @@ def capture_indices_of_export(export_dir: str, num_layers: int, sglang_version: 
             raise C.ContractError(f"{export_dir}: no {PROVENANCE_FILE}; the target's model_type is needed to tell "
                                   "what SGLang captures with its ids")
         return _served_capture(config, "sglang", target_model_type, sglang_version or S.SGLANG_LATEST, num_layers)
-    recorded = prov["target"]["num_hidden_layers"]
-    if int(num_layers) != int(recorded):
+    recorded = prov.target.num_hidden_layers
+    if int(num_layers) != recorded:
         raise C.ContractError(f"{export_dir} was exported for a {recorded}-layer target "
-                              f"({prov['target']['model_type']}), asked about a {num_layers}-layer one")
-    return _served_capture(config, prov["engine"], prov["target"]["model_type"],
-                           sglang_version or prov["sglang_release"], num_layers)
+                              f"({prov.target.model_type}), asked about a {num_layers}-layer one")
+    return _served_capture(config, prov.engine, prov.target.model_type, sglang_version or prov.sglang_release,
+                           num_layers)

@@ -34,3 +34,16 @@ def tiny_dump(tiny_targets, convs, tmp_path_factory):
     run_dump(DumpConfig(target=tiny_targets["llama"], data=[convs], out=out, layers=[4, 1, 3], dtype="fp32",
                         shard_size_mb=0.03, progress=False))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_dump, tiny_targets, tmp_path_factory):
+    """A real (4-step) training run on the tiny Llama dump (capture HF [1, 3, 4] of 6 layers); shared by the
+    export and record tests, which only read it (or copy it to tamper with)."""
+    from eagle3.train.config import TrainConfig
+    from eagle3.train.trainer import train
+    out = str(tmp_path_factory.mktemp("export_runs") / "run")
+    train(TrainConfig(dump=[tiny_dump], target=tiny_targets["llama"], out=out, drafter="tiny", bf16=False,
+                      max_steps=4, save_interval=2, token_budget=512, warmup_steps=1, held_out_fraction=0.0,
+                      num_workers=0, progress=False, wandb_mode="disabled"))
+    return out

@@ -180,18 +180,6 @@ def test_forward_refusals(ids, release, L, match):
 
 # ============================================================================================ the export
 
-@pytest.fixture(scope="module")
-def tiny_run(tiny_dump, tiny_targets, tmp_path_factory):
-    """A real (4-step) training run on the tiny Llama dump (capture HF [1, 3, 4] of 6 layers)."""
-    from eagle3.train.config import TrainConfig
-    from eagle3.train.trainer import train
-    out = str(tmp_path_factory.mktemp("export_runs") / "run")
-    train(TrainConfig(dump=[tiny_dump], target=tiny_targets["llama"], out=out, drafter="tiny", bf16=False,
-                      max_steps=4, save_interval=2, token_budget=512, warmup_steps=1, held_out_fraction=0.0,
-                      num_workers=0, progress=False, wandb_mode="disabled"))
-    return out
-
-
 def light_copy(run, dst, step=4):
     """run.json, vocab and one checkpoint's drafter files (no DeepSpeed state): what the export reads."""
     tag = f"step{step:08d}"
@@ -262,15 +250,15 @@ def test_export_of_a_trained_run(tiny_run, tmp_path):
     assert cfg["head_dim"] == 16 and cfg["hidden_act"] == "silu" and cfg["tie_word_embeddings"] is False
     assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 3], "use_aux_hidden_state": True}
 
-    assert prov == json.load(open(os.path.join(out, "eagle3_provenance.json")))
-    assert prov["engine"] == "sglang" and prov["sglang_release"] == S.SGLANG_LATEST
-    assert prov["capture"]["hidden_state_indices"] == capture and prov["served_capture_indices"] == capture
-    assert prov["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3] and prov["step"] == 4
-    assert prov["target"]["model_type"] == "llama" and prov["target"]["num_hidden_layers"] == 6
-    assert prov["target"]["config_sha256"] == run["target"]["config_sha256"]
-    assert prov["standardize"] == "v1" and prov["needs_disable_cuda_graph"] is False
-    assert "--speculative-algorithm EAGLE3" in prov["server_command"] and out in prov["server_command"]
-    assert "--disable-cuda-graph" not in prov["server_command"]
+    assert prov.to_dict() == json.load(open(os.path.join(out, "eagle3_provenance.json")))
+    assert prov.engine == "sglang" and prov.sglang_release == S.SGLANG_LATEST
+    assert prov.capture.hidden_state_indices == capture and prov.served_capture_indices == capture
+    assert prov.eagle_aux_hidden_state_layer_ids == [0, 2, 3] and prov.step == 4
+    assert prov.target.model_type == "llama" and prov.target.num_hidden_layers == 6
+    assert prov.target.config_sha256 == run["target"]["config_sha256"]
+    assert prov.standardize == "v1" and prov.needs_disable_cuda_graph is False
+    assert "--speculative-algorithm EAGLE3" in prov.server_command and out in prov.server_command
+    assert "--disable-cuda-graph" not in prov.server_command
 
     config, tensors, p2 = load_export(out)
     assert config == cfg and p2 == prov and set(tensors) == set(EXPORT_KEYS)
@@ -280,7 +268,7 @@ def test_export_of_a_trained_run(tiny_run, tmp_path):
 
     # re-export into the same directory (a previous export) replaces it; an older step can be chosen
     prov2 = export_drafter(tiny_run, out, step=2)
-    assert prov2["step"] == 2 and json.load(open(os.path.join(out, "eagle3_provenance.json")))["step"] == 2
+    assert prov2.step == 2 and json.load(open(os.path.join(out, "eagle3_provenance.json")))["step"] == 2
     with pytest.raises(FileNotFoundError, match="step 3"):
         export_drafter(tiny_run, str(tmp_path / "other"), step=3)
 
@@ -294,7 +282,7 @@ def test_ids_come_from_the_recorded_capture_and_family(tiny_run, tmp_path):
         d["identity"]["capture.hidden_state_indices"] = [1, 3, 5]
     edit_records(run, recapture)
     prov = export_drafter(run, str(tmp_path / "a"))
-    assert prov["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
+    assert prov.eagle_aux_hidden_state_layer_ids == [0, 2, 4]
     assert capture_indices_of_export(str(tmp_path / "a"), 6) == [1, 3, 5]
 
     # the same run recorded as a DeepseekV3 target: HF 1 cannot be served by 0.5.13+, can by 0.5.12.post1
@@ -303,7 +291,7 @@ def test_ids_come_from_the_recorded_capture_and_family(tiny_run, tmp_path):
         export_drafter(run, str(tmp_path / "b"))
     assert no_leftovers(str(tmp_path), "b")
     prov = export_drafter(run, str(tmp_path / "b"), sglang_version="0.5.12.post1")
-    assert prov["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
+    assert prov.eagle_aux_hidden_state_layer_ids == [0, 2, 4]
     assert capture_indices_of_export(str(tmp_path / "b"), 6) == [1, 3, 5]
     with pytest.raises(C.ContractError, match="capture index 0"):  # the same export served by 0.5.13
         capture_indices_of_export(str(tmp_path / "b"), 6, sglang_version="0.5.13")
@@ -320,10 +308,10 @@ def test_cuda_graph_mismatch_needs_the_flag(tiny_run, tmp_path, capsys):
         export_drafter(tiny_run, out, sglang_version="0.5.10.post1")
     assert no_leftovers(str(tmp_path), "old")
     prov = export_drafter(tiny_run, out, sglang_version="0.5.10.post1", allow_cuda_graph_mismatch=True)
-    assert prov["needs_disable_cuda_graph"] is True and prov["server_command"].endswith("--disable-cuda-graph")
+    assert prov.needs_disable_cuda_graph is True and prov.server_command.endswith("--disable-cuda-graph")
     assert "--disable-cuda-graph" in capsys.readouterr().err
     prov = export_drafter(tiny_run, str(tmp_path / "new"), sglang_version="0.5.11")
-    assert prov["needs_disable_cuda_graph"] is False
+    assert prov.needs_disable_cuda_graph is False
 
 
 def test_vllm_export(tiny_run, tmp_path):
@@ -331,8 +319,8 @@ def test_vllm_export(tiny_run, tmp_path):
     out = str(tmp_path / "v")
     prov = export_drafter(tiny_run, out, engine="vllm")
     cfg = json.load(open(os.path.join(out, "config.json")))
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4] == prov["served_capture_indices"]
-    assert any("NOT portable" in n for n in prov["notes"]) and prov["server_command"].startswith("vllm serve")
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4] == prov.served_capture_indices
+    assert any("NOT portable" in n for n in prov.notes) and prov.server_command.startswith("vllm serve")
     assert capture_indices_of_export(out, 6) == [1, 3, 4]
 
 
@@ -450,7 +438,7 @@ def test_ids_that_disagree_with_the_provenance_are_refused(tiny_run, tmp_path, c
                                               r"SGLang 0\.5\.23 capture HF \[2, 4, 5\].*trained on HF \[1, 3, 4\]"):
         load_export(out)
     config, _, prov = load_export(out, allow_foreign=True)  # a drafter from elsewhere: a warning only
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4] and prov["step"] == 4
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4] and prov.step == 4
     assert "HF [2, 4, 5]" in capsys.readouterr().err
 
 

@@ -86,9 +86,9 @@ def test_peer_trains_exports_and_decodes_losslessly(our_run):
     assert torch.equal(ten_p["d2t"], ten_t["d2t"]) and torch.equal(ten_p["t2d"], ten_t["t2d"])
     assert not torch.equal(ten_p["fc.weight"], ten_t["fc.weight"])
     from eagle3 import contract as C
-    assert prov_p["model_safetensors_sha256"] == C.file_sha256(os.path.join(out, "model.safetensors"))
-    assert prov_p["peer"]["trainer"] == "specforge-0.2.0" and any("PEER WEIGHTS" in n for n in prov_p["notes"])
-    assert prov_p["identity"] == prov_t["identity"] and out in prov_p["server_command"]
+    assert prov_p.model_safetensors_sha256 == C.file_sha256(os.path.join(out, "model.safetensors"))
+    assert prov_p.extra["peer"]["trainer"] == "specforge-0.2.0" and any("PEER WEIGHTS" in n for n in prov_p.notes)
+    assert prov_p.identity == prov_t.identity and out in prov_p.server_command
     embed, _ = load_embedding_and_head(our_run["target"])
     load_drafter_from_export(out, embed, torch.float32, torch.device("cpu"))
 

@@ -16,7 +16,7 @@ def test_quickstart_reduced(tmp_path):
                                         max_new_tokens=8, held_out_fraction=0.3, progress=False))
     config, tensors, prov = load_export(os.path.join(out, "sglang-drafter"))
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert prov["capture"]["hidden_state_indices"] == [3, 16, 28]   # the example target's default (30 layers)
+    assert prov.capture.hidden_state_indices == [3, 16, 28]   # the example target's default (30 layers)
     assert tensors["fc.weight"].shape == (576, 3 * 576)
     assert s["eval"]["lossless"] and s["eval"]["acceptance_length"] >= 1.0
     assert "--speculative-algorithm EAGLE3" in s["serve"]

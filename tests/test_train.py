@@ -172,7 +172,7 @@ def test_compiled_pieces_survive_many_shapes_and_the_held_out_eval(tiny_dump, ti
     assert sorted(t for t in os.listdir(out / "checkpoints") if not t.endswith(".py")) == \
         ["best", "latest", "step00000010", "step00000012"]
     prov = export_drafter(str(out), str(tmp_path / "export"), step="best")
-    assert prov["step"] == best["step"]
+    assert prov.step == best["step"]
     w = load_file(str(tmp_path / "export" / "model.safetensors"))
     b = load_file(str(out / "checkpoints" / "best" / "drafter.safetensors"))
     assert torch.equal(w["fc.weight"].float(), b["fc.weight"].to(torch.bfloat16).float())

@@ -126,7 +126,8 @@ def read_scalars(logdir):
 
 def test_tensorboard_events_are_read_back_by_tensorboard_and_metrics_jsonl_is_unchanged(tmp_path):
     from eagle3.train.config import TrainConfig
-    from eagle3.train.trainer import METRICS_FILE, TENSORBOARD_DIR, MetricsLog
+    from eagle3.records import METRICS_FILE, TENSORBOARD_DIR
+    from eagle3.train.trainer import MetricsLog
     cfg = TrainConfig(report_to="wandb,tensorboard", wandb_mode="disabled")
     log = MetricsLog(str(tmp_path), cfg, enabled=True)
     assert [t.name for t in log.trackers] == ["tensorboard"], "--wandb-mode disabled drops wandb"

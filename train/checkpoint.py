@@ -27,9 +27,7 @@ import torch
 
 from eagle3 import contract as C
 from eagle3 import dist as D
-
-CKPT_FILE = "eagle3_checkpoint.json"
-LATEST = "latest"
+from eagle3.records import CKPT_FILE, LATEST, CheckpointRecord
 
 
 class CheckpointError(C.ContractError):
@@ -106,15 +104,8 @@ def safe_load(path: str, map_location=None):
 
 # ------------------------------------------------------------------------------------------------- records
 
-read_json = C.read_json
-
-
-def read_record(ckpt_dir: str) -> dict:
-    path = os.path.join(ckpt_dir, CKPT_FILE)
-    rec = read_json(path)
-    if not isinstance(rec.get("step"), int):
-        raise CheckpointError(f"{path}: records no step")
-    return rec
+def read_record(ckpt_dir: str) -> CheckpointRecord:
+    return CheckpointRecord.read(os.path.join(ckpt_dir, CKPT_FILE))
 
 
 def is_complete(ckpt_dir: str) -> bool:
@@ -137,17 +128,18 @@ def hash_files(ckpt_dir: str, world: D.World) -> dict[str, str]:
     return {k: v for part in D.all_gather_objects(mine) for k, v in sorted(part.items())}
 
 
-def write_record(ckpt_dir: str, record: dict) -> None:
+def write_record(ckpt_dir: str, record: CheckpointRecord) -> None:
     path = os.path.join(ckpt_dir, CKPT_FILE)
-    write_bytes_atomic(path, json.dumps(record, indent=1).encode())
+    write_bytes_atomic(path, json.dumps(record.to_dict(), indent=1).encode())
 
 
-def check_files(ckpt_dir: str, rec: dict, names: list[str] | None = None, world: D.World | None = None) -> None:
+def check_files(ckpt_dir: str, rec: CheckpointRecord, names: list[str] | None = None,
+                world: D.World | None = None) -> None:
     """The files `names` (default: all, and no others) hash to what the checkpoint's record says; with `world`,
     the hashing is shared out among the ranks and every rank raises the same error."""
     record_path = os.path.join(ckpt_dir, CKPT_FILE)
-    recorded = rec.get("sha256")
-    if not isinstance(recorded, dict):
+    recorded = rec.sha256
+    if recorded is None:
         raise CheckpointError(f"{record_path}: records no sha256 of its files (written before checkpoints were "
                               "hashed, or edited): its files cannot be checked")
     problems = []

@@ -52,6 +52,11 @@ class TrainConfig:
     step_decay: float = _opt(0.8, "loss weight of draft step j is step_decay**j")
     held_out_fraction: float = _opt(0.02, "share of samples (by sample_index) kept out of training for evaluation")
     seed: int = _opt(0, "seed of the split, the batch order and the initial weights")
+    init_from: str | None = _opt(None, "warm start: an export directory (eagle3 export-sglang, or a published SGLang "
+                                       "EAGLE-3 drafter) whose weights, shape and vocab map the drafter starts from; "
+                                       "refused unless its served capture, hidden size and vocab fit the dumps")
+    init_from_sglang: str | None = _opt(None, "SGLang release whose id rule reads --init-from's ids when it has no "
+                                              "eagle3 provenance (default: the latest known)")
     init_head: str = _opt("random", "initial draft head: 'random', or 'target' (the target's lm_head rows of the "
                                     "draft vocab and its final norm; measured worse, bench/quality.md)")
     # ---- checkpoints and evaluation

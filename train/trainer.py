@@ -27,15 +27,11 @@ from tqdm import tqdm
 
 from eagle3 import contract as C
 from eagle3 import dist as D
+from eagle3.records import (BEST_DIR, CHECKPOINTS_DIR, CKPT_FILE, DRAFTER_WEIGHTS_FILE, METRICS_FILE, RUN_FILE,
+                            TENSORBOARD_DIR, VOCAB_FILE, CheckpointRecord, RunRecord)
 from eagle3.train import checkpoint as CK
 from eagle3.train import kernels
 from eagle3.train.config import TrainConfig
-
-RUN_FILE = "run.json"
-CKPT_FILE = CK.CKPT_FILE
-WEIGHTS_FILE = "drafter.safetensors"
-VOCAB_FILE = "vocab.safetensors"
-METRICS_FILE = "metrics.jsonl"
 
 # Options a resume may change. None of them moves a sample between the training and held-out sets, reorders or
 # rebatches the data, or changes the optimizer, loss or held-out measure the checkpoint continues with. The training
@@ -198,7 +194,6 @@ class MetricsLog:
 # count, MASTER_PORT, device); not transformers' Trainer callbacks either, which need a Trainer. What is left is the
 # two maintained writers themselves, behind the same few calls.
 
-TENSORBOARD_DIR = "tensorboard"
 
 
 class TensorBoardTracker:
@@ -325,10 +320,10 @@ def _drafter_bytes(weights: dict[str, torch.Tensor], step: int) -> bytes:
     return save(weights, metadata={"eagle3_step": str(step)})
 
 
-def save_checkpoint(engine, run_dir: str, step: int, cfg: TrainConfig, world: D.World, run_record: dict) -> str:
+def save_checkpoint(engine, run_dir: str, step: int, cfg: TrainConfig, world: D.World, run_record: RunRecord) -> str:
     """checkpoints/stepN: DeepSpeed's state, the consolidated drafter, then the record with every file's sha256
     (complete from then on), then `latest`, and only then the deletion of older checkpoints."""
-    root = os.path.join(run_dir, "checkpoints")
+    root = os.path.join(run_dir, CHECKPOINTS_DIR)
     tag = f"step{step:08d}"
     path = os.path.join(root, tag)
     if world.is_main and CK.is_complete(path):
@@ -337,35 +332,33 @@ def save_checkpoint(engine, run_dir: str, step: int, cfg: TrainConfig, world: D.
     rng = {"torch": torch.get_rng_state().tolist()}
     engine.save_checkpoint(root, tag=tag, client_state={"step": step, "rng": rng}, save_latest=False)
     weights = consolidated_state_dict(engine)
-    D.run_on_main(lambda: CK.write_bytes_atomic(os.path.join(path, WEIGHTS_FILE), _drafter_bytes(weights, step)),
-                  world)
+    D.run_on_main(lambda: CK.write_bytes_atomic(os.path.join(path, DRAFTER_WEIGHTS_FILE),
+                                                _drafter_bytes(weights, step)), world)
     sha256 = CK.hash_files(path, world)
 
     def complete():
-        CK.write_record(path, dict(run_record, step=step, tag=tag, weights=WEIGHTS_FILE, sha256=sha256))
+        CK.write_record(path, CheckpointRecord.of_run(run_record, step=step, tag=tag, weights=DRAFTER_WEIGHTS_FILE,
+                                                      sha256=sha256))
         CK.set_latest(root, tag)
         CK.rotate(root, tag, cfg.keep_checkpoints)
     D.run_on_main(complete, world)
     return path
 
 
-BEST_DIR = "best"
-
-
-def save_best(engine, run_dir: str, step: int, world: D.World, run_record: dict, best: dict) -> None:
+def save_best(engine, run_dir: str, step: int, world: D.World, run_record: RunRecord, best: dict) -> None:
     """checkpoints/best/: the consolidated drafter with the best held-out decoding acceptance so far (for export:
     `export-sglang --step best`); replaced atomically (written aside, then renamed over)."""
     weights = consolidated_state_dict(engine)
 
     def write():
-        root = os.path.join(run_dir, "checkpoints")
+        root = os.path.join(run_dir, CHECKPOINTS_DIR)
         tmp, final = os.path.join(root, f".{BEST_DIR}.tmp"), os.path.join(root, BEST_DIR)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         data = _drafter_bytes(weights, step)
-        CK.write_bytes_atomic(os.path.join(tmp, WEIGHTS_FILE), data)
-        CK.write_record(tmp, dict(run_record, step=step, tag=BEST_DIR, weights=WEIGHTS_FILE, best=best,
-                                  sha256={WEIGHTS_FILE: C.sha256_bytes(data)}))
+        CK.write_bytes_atomic(os.path.join(tmp, DRAFTER_WEIGHTS_FILE), data)
+        CK.write_record(tmp, CheckpointRecord.of_run(run_record, step=step, tag=BEST_DIR, weights=DRAFTER_WEIGHTS_FILE,
+                                                     best=best, sha256={DRAFTER_WEIGHTS_FILE: C.sha256_bytes(data)}))
         old = os.path.join(root, f".{BEST_DIR}.old")
         shutil.rmtree(old, ignore_errors=True)
         if os.path.isdir(final):
@@ -376,10 +369,10 @@ def save_best(engine, run_dir: str, step: int, world: D.World, run_record: dict,
 
 
 def _read_best(run_dir: str) -> dict | None:
-    path = os.path.join(run_dir, "checkpoints", BEST_DIR, CKPT_FILE)
+    path = os.path.join(run_dir, CHECKPOINTS_DIR, BEST_DIR, CKPT_FILE)
     if not os.path.isfile(path):
         return None
-    return CK.read_json(path).get("best")
+    return CheckpointRecord.read(path).best
 
 
 def data_sha256(dumps) -> str:
@@ -387,18 +380,18 @@ def data_sha256(dumps) -> str:
     return C.sha256_bytes(C.canonical_json([[s.sha256 for s in m.shards] for m in dumps.manifests]))
 
 
-def resume_changes(run_path: str, old: dict, cfg: TrainConfig, identity: dict, data_sha: str,
+def resume_changes(run_path: str, old: RunRecord, cfg: TrainConfig, identity: dict, data_sha: str,
                    world_size: int) -> dict:
     """{option: [before, now]} for the RESUMABLE options changed since the run was started (or last resumed);
     a difference in anything else is refused, naming every one."""
-    C.require_same_capture(old.get("identity", {}), identity, f"the run being resumed ({run_path})",
+    C.require_same_capture(old.identity, identity, f"the run being resumed ({run_path})",
                            "the dumps given now")
     problems = []
-    if old.get("data_sha256") != data_sha:
-        problems.append(f"the dumps hold other data (shard sha256s: {old.get('data_sha256')} -> {data_sha})")
-    if old.get("world_size") != world_size:
-        problems.append(f"world size {old.get('world_size')} -> {world_size} (it sets the batches)")
-    before, now = old.get("train", {}), json.loads(json.dumps(cfg.to_dict()))
+    if old.data_sha256 != data_sha:
+        problems.append(f"the dumps hold other data (shard sha256s: {old.data_sha256} -> {data_sha})")
+    if old.world_size != world_size:
+        problems.append(f"world size {old.world_size} -> {world_size} (it sets the batches)")
+    before, now = old.train, json.loads(json.dumps(cfg.to_dict()))
     changed = {k: [before.get(k), v] for k, v in now.items() if before.get(k) != v}
     problems += [f"--{k.replace('_', '-')}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in RESUMABLE]
     if problems:
@@ -408,10 +401,13 @@ def resume_changes(run_path: str, old: dict, cfg: TrainConfig, identity: dict, d
     return {k: c for k, c in changed.items() if k != "resume"}
 
 
-def vocab_source(cfg: TrainConfig, data_sha: str, size: int) -> dict:
-    """What the draft vocabulary was made from: the --vocab file, or the training split of these dumps."""
+def vocab_source(cfg: TrainConfig, data_sha: str, size: int, init=None) -> dict:
+    """What the draft vocabulary was made from: the --vocab file, the --init-from export's map, or the training
+    split of these dumps."""
     if cfg.vocab:
         return {"file": os.path.abspath(cfg.vocab), "sha256": C.file_sha256(cfg.vocab)}
+    if init is not None:
+        return {"init_from": init.path, "model_safetensors_sha256": init.weights_sha256}
     return {"data_sha256": data_sha, "held_out_fraction": cfg.held_out_fraction, "seed": cfg.seed,
             "draft_vocab_size": size}
 
@@ -422,7 +418,7 @@ def traces_of_a_run(run_dir: str) -> list[str]:
     metrics = os.path.join(run_dir, METRICS_FILE)
     if os.path.isfile(metrics) and os.path.getsize(metrics):
         found.append(metrics)
-    root = os.path.join(run_dir, "checkpoints")
+    root = os.path.join(run_dir, CHECKPOINTS_DIR)
     if os.path.isdir(root) and os.listdir(root):
         found.append(root)
     return found
@@ -437,6 +433,7 @@ def train(cfg: TrainConfig) -> dict:
     from eagle3.data.loader import BatchPlan, make_loader
     from eagle3.data.vocab import build_vocab, describe_vocab, load_vocab, save_vocab
     from eagle3.train.drafter import Eagle3Drafter
+    from eagle3.train.init_from import check_same_vocab, load_into, read_init_from
     from eagle3.target.weights import load_embedding_and_head, load_final_norm
 
     D.launcher_env()
@@ -464,7 +461,7 @@ def train(cfg: TrainConfig) -> dict:
     total = cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
     total -= total % cfg.grad_accum
 
-    ckpt_root = os.path.join(run_dir, "checkpoints")
+    ckpt_root = os.path.join(run_dir, CHECKPOINTS_DIR)
     run_path = os.path.join(run_dir, RUN_FILE)
     vocab_path = os.path.join(run_dir, VOCAB_FILE)
     resume_tag = CK.resume_tag(ckpt_root) if cfg.resume else None
@@ -472,28 +469,38 @@ def train(cfg: TrainConfig) -> dict:
         raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_root}")
     resume_dir = os.path.join(ckpt_root, resume_tag) if resume_tag else None
     resume_rec = CK.read_record(resume_dir) if resume_dir else None
+    # --init-from: the export is checked against the dumps before anything is written (train/init_from.py)
+    init = read_init_from(cfg.init_from, manifest, cfg.init_from_sglang) if cfg.init_from else None
+    if init is not None:
+        log(f"[train] starting from {init.path} (served capture HF {init.served_capture}, draft vocab "
+            f"{init.config.draft_vocab_size}); the drafter's shape is the export's")
 
     # ---- checks only: nothing in RUN is changed until the run is known to be startable
     def prepare_run_dir() -> dict | None:
         """Fresh: the vocabulary in place. Resume: {option: [before, now]} of the allowed changes."""
         if resume_tag is not None:
-            old = CK.read_json(run_path)
+            old = RunRecord.read(run_path)
             changes = resume_changes(run_path, old, cfg, manifest.identity(), data_sha, world.world_size)
-            if total < resume_rec["step"]:
+            if total < resume_rec.step:
                 raise ValueError(f"--resume: the run would end at step {total}, before its checkpoint {resume_dir} "
-                                 f"(step {resume_rec['step']}): give a --max-steps of at least that")
-            if C.file_sha256(vocab_path) != old.get("vocab_sha256"):
+                                 f"(step {resume_rec.step}): give a --max-steps of at least that")
+            if C.file_sha256(vocab_path) != old.vocab_sha256:
                 raise CK.CheckpointError(f"{vocab_path}: sha256 differs from the one {run_path} records "
-                                         f"({old.get('vocab_sha256')}): the draft vocabulary the checkpoints were "
+                                         f"({old.vocab_sha256}): the draft vocabulary the checkpoints were "
                                          "trained with was replaced or altered")
-            return {"step": resume_rec["step"], "from": resume_tag, "changed": changes}
+            started = (old.extra.get("init_from") or {}).get("model_safetensors_sha256")
+            if init is not None and started != init.weights_sha256:
+                raise CK.CheckpointError(f"--init-from {init.path}: its weights are not the ones {run_path} started "
+                                         "from (the export was replaced since)")
+            return {"step": resume_rec.step, "from": resume_tag, "changed": changes}
         traces = traces_of_a_run(run_dir)
         if traces:
             raise ValueError(f"{run_dir} already holds a training run ({', '.join(traces)}): pass --resume, or "
                              "choose another --out")
         os.makedirs(run_dir, exist_ok=True)
-        n = drafter_config(cfg, cfg.target, len(manifest.capture.hidden_state_indices)).draft_vocab_size
-        source = vocab_source(cfg, data_sha, n)
+        n = (init.config.draft_vocab_size if init is not None
+             else drafter_config(cfg, cfg.target, len(manifest.capture.hidden_state_indices)).draft_vocab_size)
+        source = vocab_source(cfg, data_sha, n, init)
         try:  # one a failed start left here is kept only if it was made from the same data and settings
             if load_vocab(vocab_path)["meta"].get("source") == source:
                 return None
@@ -504,6 +511,10 @@ def train(cfg: TrainConfig) -> dict:
             ident = vocab["meta"].get("identity")
             if ident is not None:
                 C.require_same_capture(ident, manifest.identity(), f"vocab {cfg.vocab}", "the dumps")
+            if init is not None:
+                check_same_vocab(init, vocab, cfg.vocab)
+        elif init is not None:  # the export's lm_head rows are its map's tokens: train with that map
+            vocab = init.vocab(manifest.identity())
         else:
             vocab = build_vocab(dumps, train_refs, n, progress=cfg.progress)
             log(f"[train] draft vocab {describe_vocab(vocab['meta'])}")
@@ -516,7 +527,8 @@ def train(cfg: TrainConfig) -> dict:
         CK.check_files(resume_dir, resume_rec, world=world)
 
     # ---- the model
-    dcfg = drafter_config(cfg, cfg.target, len(manifest.capture.hidden_state_indices))
+    dcfg = init.config if init is not None else drafter_config(cfg, cfg.target,
+                                                               len(manifest.capture.hidden_state_indices))
     if vocab["d2t"].numel() != dcfg.draft_vocab_size:
         dcfg.draft_vocab_size = vocab["d2t"].numel()
     torch.manual_seed(cfg.seed)
@@ -524,24 +536,27 @@ def train(cfg: TrainConfig) -> dict:
     embed, head = load_embedding_and_head(cfg.target)
     drafter.load_target_embedding(embed.float())
     drafter.set_vocab_map(vocab["d2t"], vocab["t2d"])
-    if cfg.init_head == "target":
+    if init is not None:
+        load_into(drafter, init)
+    elif cfg.init_head == "target":
         drafter.load_target_head(head.float(), load_final_norm(cfg.target).float())
     drafter.activation_checkpointing = cfg.activation_checkpointing
     model = DrafterTrainStep(drafter, head.float(), cfg)
-    old_resumes = CK.read_json(run_path).get("resumes", []) if resume_tag and world.is_main else []
-    run_record = {"format": "eagle3-run", "identity": manifest.identity(), "capture": vars(manifest.capture),
-                  "target": vars(manifest.target), "standardize": C.STANDARDIZE_VERSION, "vocab": VOCAB_FILE,
-                  "vocab_meta": vocab["meta"], "vocab_sha256": C.file_sha256(vocab_path), "drafter": dcfg.to_dict(),
-                  "train": cfg.to_dict(), "world_size": world.world_size, "data_sha256": data_sha,
-                  "dumps": [os.path.abspath(d) for d in cfg.dump],
-                  "resumes": D.broadcast_object(old_resumes + ([resumed] if resumed else []))}
+    old_resumes = RunRecord.read(run_path).resumes if resume_tag and world.is_main else []
+    run_record = RunRecord(identity=manifest.identity(), capture=manifest.capture, target=manifest.target,
+                           standardize=C.STANDARDIZE_VERSION, vocab=VOCAB_FILE, vocab_meta=vocab["meta"],
+                           vocab_sha256=C.file_sha256(vocab_path), drafter=dcfg.to_dict(), train=cfg.to_dict(),
+                           world_size=world.world_size, data_sha256=data_sha,
+                           dumps=[os.path.abspath(d) for d in cfg.dump],
+                           resumes=D.broadcast_object(old_resumes + ([resumed] if resumed else [])),
+                           extra={"init_from": init.record()} if init is not None else {})
 
     def commit_run_dir():
         if resume_tag is not None:
-            dropped = truncate_metrics(os.path.join(run_dir, METRICS_FILE), resume_rec["step"])
+            dropped = truncate_metrics(os.path.join(run_dir, METRICS_FILE), resume_rec.step)
             if dropped:
-                log(f"[train] {METRICS_FILE}: dropped {dropped} rows past step {resume_rec['step']} (recomputed now)")
-        CK.write_bytes_atomic(run_path, json.dumps(run_record, indent=1).encode())
+                log(f"[train] {METRICS_FILE}: dropped {dropped} rows past step {resume_rec.step} (recomputed now)")
+        CK.write_bytes_atomic(run_path, json.dumps(run_record.to_dict(), indent=1).encode())
     D.run_on_main(commit_run_dir, world)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -554,10 +569,10 @@ def train(cfg: TrainConfig) -> dict:
     step = 0
     if resume_tag is not None:
         _, client = engine.load_checkpoint(ckpt_root, tag=resume_tag)
-        if client is None or client.get("step") != resume_rec["step"]:
+        if client is None or client.get("step") != resume_rec.step:
             raise CK.CheckpointError(f"{resume_dir}: DeepSpeed's state holds step "
                                      f"{None if client is None else client.get('step')}, the record "
-                                     f"{resume_rec['step']}")
+                                     f"{resume_rec.step}")
         step = client["step"]
         torch.set_rng_state(torch.tensor(client["rng"]["torch"], dtype=torch.uint8))
         log(f"[train] resumed {run_dir} at step {step} ({resume_tag})"

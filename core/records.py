@@ -1,0 +1,316 @@
+"""The records that carry the capture contract past the dump: a training run's run.json, each checkpoint's
+eagle3_checkpoint.json and an export's eagle3_provenance.json, beside `contract.DumpManifest`.
+
+Each is a dataclass whose `to_dict()` is exactly what is on disk (same keys, same order), so runs and exports
+written before these classes existed load unchanged; `from_dict(d, where)` checks every key a reader relies on
+and raises ContractError naming the file and the key, instead of a KeyError deep inside the export. Keys this
+eagle3 does not know are kept (`extra`) and written back, so a newer writer's records survive a round trip.
+
+The file names of a run directory and of an export directory live here too: the trainer writes them, the export
+and eval read them, and neither should import the other to learn a name.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from eagle3.contract import STANDARDIZE_VERSION, CaptureSpec, ContractError, TargetInfo, read_json
+
+# ------------------------------------------------------------------------------------------------ file names
+
+# A training run directory (train/trainer.py writes it).
+RUN_FILE = "run.json"
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+VOCAB_FILE = "vocab.safetensors"
+CHECKPOINTS_DIR = "checkpoints"
+LATEST = "latest"                      # checkpoints/latest: the tag of the newest complete checkpoint
+BEST_DIR = "best"                      # checkpoints/best: the best held-out decoding acceptance so far
+CKPT_FILE = "eagle3_checkpoint.json"   # written last in a checkpoint: it is complete exactly when this exists
+DRAFTER_WEIGHTS_FILE = "drafter.safetensors"
+
+# An export directory (export/sglang.py writes it; what SGLang / vLLM load, plus our provenance).
+EXPORT_CONFIG_FILE = "config.json"
+EXPORT_WEIGHTS_FILE = "model.safetensors"
+PROVENANCE_FILE = "eagle3_provenance.json"
+EXPORT_FILES = (EXPORT_CONFIG_FILE, EXPORT_WEIGHTS_FILE, PROVENANCE_FILE)
+
+RUN_FORMAT = "eagle3-run"
+EXPORT_FORMAT = "eagle3-export"
+EXPORT_FORMAT_VERSION = 1
+
+# ------------------------------------------------------------------------------------------------ checking keys
+
+_REQUIRED = object()
+INTS = "list of integers"  # a type spec: a list whose items are all int (not bool)
+
+
+def _type_ok(value: Any, types: tuple) -> bool:
+    for t in types:
+        if t is INTS:
+            if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                return True
+        elif t is int:  # JSON true is not a step or a size
+            if isinstance(value, int) and not isinstance(value, bool):
+                return True
+        elif t is None:
+            if value is None:
+                return True
+        elif isinstance(value, t):
+            return True
+    return False
+
+
+def _type_names(types: tuple) -> str:
+    return " or ".join("null" if t is None else t if isinstance(t, str) else t.__name__ for t in types)
+
+
+def _take(d: dict, spec: list[tuple], where: str, prefix: str = "") -> dict:
+    """{key: value} for each (key, types, default) of `spec`: present and of one of `types`, or absent with a
+    default (deep-copied: defaults are shared), else ContractError naming `where` and the key."""
+    out = {}
+    for key, types, default in spec:
+        name = prefix + key
+        if key not in d:
+            if default is _REQUIRED:
+                raise ContractError(f"{where}: lacks key {name!r}")
+            out[key] = copy.deepcopy(default)
+            continue
+        if not _type_ok(d[key], types):
+            raise ContractError(f"{where}: key {name!r} holds {type(d[key]).__name__} {d[key]!r:.80}, expected "
+                                f"{_type_names(types)}")
+        out[key] = d[key]
+    return out
+
+
+def _object(d: Any, where: str, name: str = "") -> dict:
+    if not isinstance(d, dict):
+        raise ContractError(f"{where}: {f'key {name!r}' if name else 'the record'} is not a JSON object")
+    return d
+
+
+def _extra(d: dict, known: list[str]) -> dict:
+    return {k: v for k, v in d.items() if k not in known}
+
+
+_TARGET = [("path", (str,), _REQUIRED), ("architecture", (str,), _REQUIRED), ("num_hidden_layers", (int,), _REQUIRED),
+           ("hidden_size", (int,), _REQUIRED), ("vocab_size", (int,), _REQUIRED),
+           ("config_sha256", (str,), _REQUIRED), ("model_type", (str,), "")]
+_CAPTURE = [("hidden_state_indices", (INTS,), _REQUIRED), ("convention", (str,), "hf_hidden_states_index")]
+
+
+def _target(d: dict, where: str) -> TargetInfo:
+    return TargetInfo(**_take(_object(d.get("target"), where, "target"), _TARGET, where, "target."))
+
+
+def _capture(d: dict, where: str) -> CaptureSpec:
+    return CaptureSpec(**_take(_object(d.get("capture"), where, "capture"), _CAPTURE, where, "capture."))
+
+
+def _with_nested(d: dict, where: str, spec: list[tuple]) -> dict:
+    """The top-level keys of `spec`, with target and capture (required in every record) as contract types."""
+    if "target" not in d or "capture" not in d:
+        raise ContractError(f"{where}: lacks key {'target' if 'target' not in d else 'capture'!r}")
+    return {**_take(d, spec, where), "target": _target(d, where), "capture": _capture(d, where)}
+
+
+def _capture_dict(c: CaptureSpec) -> dict:
+    return {"hidden_state_indices": list(c.hidden_state_indices), "convention": c.convention}
+
+
+# ------------------------------------------------------------------------------------------------ run.json
+
+# run.json's keys in the order the trainer writes them, with their types and (optional keys) defaults.
+_RUN = [("format", (str,), _REQUIRED), ("identity", (dict,), _REQUIRED), ("standardize", (str,), _REQUIRED),
+        ("vocab", (str,), VOCAB_FILE), ("vocab_meta", (dict,), {}), ("vocab_sha256", (str, None), None),
+        ("drafter", (dict,), _REQUIRED), ("train", (dict,), {}), ("world_size", (int, None), None),
+        ("data_sha256", (str, None), None), ("dumps", (list,), []), ("resumes", (list,), [])]
+_RUN_ORDER = ["format", "identity", "capture", "target", "standardize", "vocab", "vocab_meta", "vocab_sha256",
+              "drafter", "train", "world_size", "data_sha256", "dumps", "resumes"]
+
+
+@dataclass(kw_only=True)
+class RunRecord:
+    """run.json: the capture contract of a training run, the data it was trained on (data_sha256), its draft
+    vocabulary, drafter and training config, and what each resume changed."""
+    identity: dict                 # DumpManifest.identity() of the dumps trained on
+    capture: CaptureSpec
+    target: TargetInfo
+    standardize: str = STANDARDIZE_VERSION
+    drafter: dict                  # DrafterConfig.to_dict()
+    vocab: str = VOCAB_FILE
+    vocab_meta: dict = field(default_factory=dict)
+    vocab_sha256: str | None = None
+    train: dict = field(default_factory=dict)  # TrainConfig.to_dict()
+    world_size: int | None = None
+    data_sha256: str | None = None
+    dumps: list = field(default_factory=list)
+    resumes: list = field(default_factory=list)
+    format: str = RUN_FORMAT
+    extra: dict = field(default_factory=dict)  # keys this eagle3 does not know, written back as they were
+
+    def to_dict(self) -> dict:
+        d = {k: copy.deepcopy(getattr(self, k)) for k in _RUN_ORDER}
+        d["capture"], d["target"] = _capture_dict(self.capture), vars(self.target).copy()
+        return {**d, **copy.deepcopy(self.extra)}
+
+    @staticmethod
+    def _fields(d: dict, where: str) -> dict:
+        _object(d, where)
+        if d.get("format") != RUN_FORMAT:
+            raise ContractError(f"{where}: not an eagle3 training run (format={d.get('format')!r})")
+        return _with_nested(d, where, _RUN)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = RUN_FILE) -> "RunRecord":
+        return cls(**cls._fields(d, where), extra=_extra(d, _RUN_ORDER))
+
+    @classmethod
+    def read(cls, path: str) -> "RunRecord":
+        return cls.from_dict(read_json(path), path)
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+# A checkpoint's record is run.json's (as of that save) plus these, in this order.
+_CKPT = [("step", (int,), _REQUIRED), ("tag", (str,), ""), ("weights", (str,), DRAFTER_WEIGHTS_FILE),
+         ("best", (dict, None), None), ("sha256", (dict, None), None)]
+
+
+@dataclass(kw_only=True)
+class CheckpointRecord(RunRecord):
+    """checkpoints/<tag>/eagle3_checkpoint.json: the run's record, the step, and the sha256 of every other file
+    of the checkpoint (None only in checkpoints written before they were hashed: check_files refuses those).
+    checkpoints/best's also holds `best`, the held-out record it was chosen by."""
+    step: int
+    tag: str = ""
+    weights: str = DRAFTER_WEIGHTS_FILE
+    best: dict | None = None
+    sha256: dict | None = None
+
+    @classmethod
+    def of_run(cls, run: RunRecord, **kw) -> "CheckpointRecord":
+        return cls(**{f.name: copy.deepcopy(getattr(run, f.name)) for f in fields(RunRecord)}, **kw)
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in super().to_dict().items() if k not in self.extra}
+        d.update((k, copy.deepcopy(getattr(self, k))) for k, _, _ in _CKPT
+                 if getattr(self, k) is not None or k not in ("best", "sha256"))
+        return {**d, **copy.deepcopy(self.extra)}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = CKPT_FILE) -> "CheckpointRecord":
+        known = _RUN_ORDER + [k for k, _, _ in _CKPT]
+        return cls(**RunRecord._fields(d, where), **_take(d, _CKPT, where), extra=_extra(d, known))
+
+    @classmethod
+    def read(cls, path: str) -> "CheckpointRecord":
+        return cls.from_dict(read_json(path), path)
+
+
+def find_checkpoint(run_dir: str, step: int | str | None = None) -> tuple[str, int]:
+    """(checkpoint directory, step): the given step, 'best' (checkpoints/best), else the newest one holding the
+    consolidated drafter."""
+    root = os.path.join(run_dir, CHECKPOINTS_DIR)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"{run_dir}: no {CHECKPOINTS_DIR}/ (not an eagle3 training run, or no checkpoint yet)")
+
+    def complete(tag: str) -> bool:
+        d = os.path.join(root, tag)
+        return os.path.isfile(os.path.join(d, CKPT_FILE)) and os.path.isfile(os.path.join(d, DRAFTER_WEIGHTS_FILE))
+
+    tags = sorted(t for t in os.listdir(root) if t.startswith("step") and t[4:].isdigit())
+    if step == BEST_DIR:  # the trainer's checkpoints/best: best held-out decoding acceptance
+        if not complete(BEST_DIR):
+            raise FileNotFoundError(f"{run_dir}: no complete {CHECKPOINTS_DIR}/{BEST_DIR} (it is written at held-out "
+                                    "evaluations; a run without a held-out split has none)")
+        return os.path.join(root, BEST_DIR), CheckpointRecord.read(os.path.join(root, BEST_DIR, CKPT_FILE)).step
+    if step is not None:
+        tag = f"step{int(step):08d}"
+        if tag not in tags or not complete(tag):
+            raise FileNotFoundError(f"{run_dir}: no complete checkpoint for step {step} (have: "
+                                    f"{', '.join(str(int(t[4:])) for t in tags if complete(t)) or 'none'})")
+        return os.path.join(root, tag), int(step)
+    done = [t for t in tags if complete(t)]
+    if not done:
+        raise FileNotFoundError(f"{run_dir}: no checkpoint with {DRAFTER_WEIGHTS_FILE} and {CKPT_FILE}")
+    if tags[-1] != done[-1]:
+        print(f"[export] note: {tags[-1]} is incomplete (no {DRAFTER_WEIGHTS_FILE}/{CKPT_FILE}); using {done[-1]}",
+              file=sys.stderr)
+    return os.path.join(root, done[-1]), int(done[-1][4:])
+
+
+# ------------------------------------------------------------------------------------------------ exports
+
+# eagle3_provenance.json's keys in the order export_drafter writes them (target and capture aside).
+_PROV = [("format", (str,), _REQUIRED), ("format_version", (int,), _REQUIRED), ("engine", (str,), _REQUIRED),
+         ("sglang_release", (str, None), None), ("serving_family", (str, None), None),
+         ("eagle_aux_hidden_state_layer_ids", (INTS, None), None), ("served_capture_indices", (INTS, None), None),
+         ("ids_reproduce_capture_in_sglang", (list, None), None), ("needs_disable_cuda_graph", (bool,), False),
+         ("cuda_graph_default_capture", (INTS, None), None), ("server_command", (str,), ""),
+         ("identity", (dict,), {}), ("run_dir", (str, None), None), ("step", (int, None), None),
+         ("checkpoint", (str, None), None), ("standardize", (str, None), None), ("drafter", (dict,), {}),
+         ("vocab", (dict,), {}), ("notes", (list,), []), ("created", (str,), ""),
+         ("model_safetensors_sha256", (str, None), None)]
+_PROV_ORDER = ["format", "format_version", "engine", "sglang_release", "serving_family", "capture",
+               "eagle_aux_hidden_state_layer_ids", "served_capture_indices", "ids_reproduce_capture_in_sglang",
+               "needs_disable_cuda_graph", "cuda_graph_default_capture", "server_command", "target", "identity",
+               "run_dir", "step", "checkpoint", "standardize", "drafter", "vocab", "notes", "created",
+               "model_safetensors_sha256"]
+# The provenance lists the target's fields in its own order (not TargetInfo's).
+_PROV_TARGET_ORDER = ["architecture", "model_type", "config_sha256", "num_hidden_layers", "hidden_size", "vocab_size",
+                      "path"]
+
+
+@dataclass(kw_only=True)
+class ExportProvenance:
+    """eagle3_provenance.json: what was exported from which run and checkpoint, the trained capture, the engine
+    and SGLang release targeted, what that server captures with the written ids, and model.safetensors' sha256
+    (None until the weights are written; a provenance without it is refused by load_export)."""
+    engine: str
+    capture: CaptureSpec
+    target: TargetInfo
+    sglang_release: str | None = None
+    serving_family: str | None = None
+    eagle_aux_hidden_state_layer_ids: list[int] | None = None
+    served_capture_indices: list[int] | None = None
+    ids_reproduce_capture_in_sglang: list | None = None
+    needs_disable_cuda_graph: bool = False
+    cuda_graph_default_capture: list[int] | None = None
+    server_command: str = ""
+    identity: dict = field(default_factory=dict)
+    run_dir: str | None = None
+    step: int | None = None
+    checkpoint: str | None = None
+    standardize: str | None = None
+    drafter: dict = field(default_factory=dict)
+    vocab: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+    created: str = ""
+    model_safetensors_sha256: str | None = None
+    format: str = EXPORT_FORMAT
+    format_version: int = EXPORT_FORMAT_VERSION
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = {k: copy.deepcopy(getattr(self, k)) for k in _PROV_ORDER}
+        d["capture"] = _capture_dict(self.capture)
+        d["target"] = {k: getattr(self.target, k) for k in _PROV_TARGET_ORDER}
+        if self.model_safetensors_sha256 is None:  # not yet written, or a provenance that never recorded it
+            del d["model_safetensors_sha256"]
+        return {**d, **copy.deepcopy(self.extra)}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = PROVENANCE_FILE) -> "ExportProvenance":
+        _object(d, where)
+        if d.get("format") != EXPORT_FORMAT or d.get("format_version") != EXPORT_FORMAT_VERSION:
+            raise ContractError(f"{where}: not an {EXPORT_FORMAT} v{EXPORT_FORMAT_VERSION} provenance")
+        return cls(**_with_nested(d, where, _PROV), extra=_extra(d, _PROV_ORDER))
+
+    @classmethod
+    def read(cls, path: str) -> "ExportProvenance":
+        return cls.from_dict(read_json(path), path)
