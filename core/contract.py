@@ -32,6 +32,15 @@ SAMPLE_INDEX = "sample_index"
 TARGET_ARGMAX = "target_argmax"
 HIDDEN_PREFIX = "hidden_states."
 
+# How a dump stores its states (docs/contract.md §3). "dtype": hidden_states.<k> and final_hidden in the dump's
+# --dtype. "fp8": each of them as float8 e4m3 with one float32 scale per token row in `<name>.scale` [N]
+# (value = q * scale; scale = row amax / FP8_MAX, 1 for an all-zero row): 4 B/token per state instead of 16 (fp32).
+STORAGE_DTYPE = "dtype"
+STORAGE_FP8 = "fp8"
+STORAGES = (STORAGE_DTYPE, STORAGE_FP8)
+SCALE_SUFFIX = ".scale"
+FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
+
 
 class ContractError(ValueError):
     """Two artefacts disagree about what was captured, or indices break the contract. Always fatal."""
@@ -39,6 +48,26 @@ class ContractError(ValueError):
 
 def hidden_state_key(k: int) -> str:
     return f"{HIDDEN_PREFIX}{k}"
+
+
+def scale_key(name: str) -> str:
+    """The companion tensor holding the per-token scales of an fp8-stored state `name`."""
+    return f"{name}{SCALE_SUFFIX}"
+
+
+def captured_index(name: str) -> int | None:
+    """k of a tensor named hidden_states.<k> (not its scale), else None."""
+    if not name.startswith(HIDDEN_PREFIX) or name.endswith(SCALE_SUFFIX):
+        return None
+    return int(name[len(HIDDEN_PREFIX):])
+
+
+def bytes_per_token(num_states: int, hidden_size: int, itemsize: int, storage: str = STORAGE_DTYPE,
+                    argmax: bool = True) -> int:
+    """Shard bytes per token (headers aside): `num_states` [N, H] states (the captured ones and final_hidden),
+    input_ids 4 + loss_mask 1 + target_argmax 4. fp8 stores 1 byte per value plus a 4-byte scale per state."""
+    per_state = hidden_size + 4 if storage == STORAGE_FP8 else hidden_size * itemsize
+    return num_states * per_state + 4 + 1 + 4 * argmax
 
 
 def layer_for_index(k: int) -> int:
@@ -140,6 +169,9 @@ class TargetInfo:
 class TokenizerInfo:
     sha256: str
     chat_template_sha256: str
+    # The tokenizer class the target ships as code and the dump ran (--trust-remote-code), e.g. Kimi-K2.5's
+    # tokenization_kimi.TikTokenTokenizer; None when transformers loaded the tokenizer by itself.
+    remote_code: str | None = None
 
 
 @dataclass
@@ -181,6 +213,9 @@ class DumpManifest:
     data_fingerprint: dict = field(default_factory=dict)
     format: str = DUMP_FORMAT
     format_version: int = DUMP_FORMAT_VERSION
+    # STORAGES: how the states are stored ("dtype": in `dtype`; "fp8": e4m3 + per-token scales, read back in
+    # `dtype`). Manifests written before it existed are "dtype".
+    storage: str = STORAGE_DTYPE
 
     @property
     def totals(self) -> dict:
@@ -205,9 +240,12 @@ class DumpManifest:
                     tokenizer=TokenizerInfo(**d["tokenizer"]), dtype=d["dtype"], max_length=d["max_length"],
                     tp_size=d["tp_size"], dp_size=d["dp_size"], shards=[ShardRecord(**s) for s in d["shards"]],
                     skipped=d.get("skipped", {}), data_files=d.get("data_files", []),
-                    data_sources=d.get("data_sources", []), data_fingerprint=d.get("data_fingerprint", {}))
+                    data_sources=d.get("data_sources", []), data_fingerprint=d.get("data_fingerprint", {}),
+                    storage=d.get("storage", STORAGE_DTYPE))
         except (KeyError, TypeError) as e:
             raise ContractError(f"{source}: malformed manifest ({e})") from e
+        if m.storage not in STORAGES:
+            raise ContractError(f"{source}: storage {m.storage!r} is not one this eagle3 reads {STORAGES}")
         validate_indices(m.capture.hidden_state_indices, m.target.num_hidden_layers)
         if m.capture.hidden_state_indices != sorted(m.capture.hidden_state_indices):
             raise ContractError(f"{source}: capture indices are not ascending: {m.capture.hidden_state_indices}")
@@ -237,6 +275,7 @@ LEGACY_SHARD_KEYS = ("format", "format_version", "hidden_state_indices", "target
 DATA_SHA256 = "data.sha256"   # data_fingerprint()["sha256"] of the dump's input
 PLAN_SHA256 = "plan.sha256"   # the shard plan (which samples in which shard): same data + arguments
 SHARD_INDEX = "shard"         # j of shard-<j>
+STORAGE = "storage"           # STORAGES; shards written before it existed lack the key and are "dtype"
 
 
 def data_fingerprint(files: Sequence[tuple[str, str, int | None]]) -> dict:
@@ -254,7 +293,8 @@ def shard_identity(manifest: "DumpManifest", plan_sha256: str | None = None) -> 
     ident = {"format": DUMP_FORMAT, "format_version": DUMP_FORMAT_VERSION,
              "hidden_state_indices": list(manifest.capture.hidden_state_indices),
              "target_config_sha256": manifest.target.config_sha256, **manifest.identity(),
-             "dtype": manifest.dtype, DATA_SHA256: manifest.data_fingerprint.get("sha256")}
+             "dtype": manifest.dtype, STORAGE: manifest.storage,
+             DATA_SHA256: manifest.data_fingerprint.get("sha256")}
     if plan_sha256 is not None:
         ident[PLAN_SHA256] = plan_sha256
     return ident
@@ -266,8 +306,10 @@ def is_legacy_shard(meta: dict) -> bool:
 
 
 def check_shard_identity(meta: dict, expected: dict, shard: str, expected_from: str) -> None:
-    """ContractError naming every key of `expected` that the shard's metadata does not match."""
-    require_same_capture({k: meta.get(k) for k in expected}, expected, shard, expected_from)
+    """ContractError naming every key of `expected` that the shard's metadata does not match. A shard without a
+    storage key predates it, and stored its states in its dtype."""
+    got = {k: meta.get(k, STORAGE_DTYPE if k == STORAGE else None) for k in expected}
+    require_same_capture(got, expected, shard, expected_from)
 
 
 def load_manifest(dump_dir: str) -> DumpManifest:

@@ -6,6 +6,9 @@ checked on first open; dumps whose target, capture indices, hidden size or token
 Each shard's own metadata and tensor names must agree with the manifest that lists it (a manifest edited to claim
 other layers is refused here, not in a loader worker), and no sample may come twice: a dump listed twice, or two
 dumps holding the same record of the same data file, are refused.
+
+A dump stored in fp8 (docs/contract.md §3) is dequantized as it is read (`q * scale`, in float32, then the dtype
+asked for: by default the dump's own --dtype), so consumers see the same tensors as from a dump stored in dtype.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from tqdm import tqdm
 from eagle3 import contract as C
 from eagle3.contract import ContractError, DumpManifest
 from eagle3.data.standardize import standardize_data_v1
-from eagle3.dump.shards import read_shard_metadata
+from eagle3.dump.shards import dequantize_fp8, read_shard_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +42,11 @@ class SampleRef:
 
 
 class DumpSet:
-    """`DumpSet([dir, ...])`: `.refs` lists every sample; `.sample(ref)` / `.standardized(ref)` read one."""
+    """`DumpSet([dir, ...])`: `.refs` lists every sample; `.sample(ref)` / `.standardized(ref)` read one.
+    `dtype`: what fp8-stored states are dequantized to (default: each dump's --dtype, the manifest's `dtype`)."""
 
-    def __init__(self, dirs: list[str] | str, verify: bool = True, progress: bool = False):
+    def __init__(self, dirs: list[str] | str, verify: bool = True, progress: bool = False,
+                 dtype: torch.dtype | None = None):
         self.dirs = [dirs] if isinstance(dirs, str) else list(dirs)
         if not self.dirs:
             raise ValueError("no dump directories given")
@@ -81,6 +86,8 @@ class DumpSet:
                 logger.warning("%s: shards written before eagle3 recorded their identity: capture indices and "
                                "target are checked against the manifest, tokenizer, dtype and data are not", d)
         self._handles: dict = {}
+        self._deq_dtype = [(dtype or getattr(torch, m.dtype)) if m.storage == C.STORAGE_FP8 else None
+                           for m in self.manifests]  # per dump: None = stored as read
         self._refuse_shared_samples()
 
     def _refuse_shared_samples(self) -> None:
@@ -131,12 +138,21 @@ class DumpSet:
         return (f"{os.path.join(self.dirs[ref.dump], self.manifests[ref.dump].shards[ref.shard].file)} "
                 f"sample_index {ref.sample_index}")
 
-    def sample(self, ref: SampleRef, keys: list[str] | None = None) -> dict:
-        """The raw tensors of one sample (slices read from the mmap'd shard)."""
+    def sample(self, ref: SampleRef, keys: list[str] | None = None, dequantize: bool = True) -> dict:
+        """The tensors of one sample (slices read from the mmap'd shard); fp8-stored states dequantized (their
+        `.scale` companions are not listed), unless dequantize=False: then the stored tensors, scales included."""
         f = self._shard(ref.dump, ref.shard)
-        names = keys if keys is not None else [k for k in f.keys() if k not in (C.SAMPLE_OFFSETS, C.SAMPLE_INDEX)]
+        deq = self._deq_dtype[ref.dump] if dequantize else None
+        names = keys if keys is not None else [k for k in f.keys() if k not in (C.SAMPLE_OFFSETS, C.SAMPLE_INDEX)
+                                               and not (deq and k.endswith(C.SCALE_SUFFIX))]
         a, b = ref.start, ref.start + ref.length
-        return {k: f.get_slice(k)[a:b] for k in names}
+        out = {}
+        for k in names:
+            x = f.get_slice(k)[a:b]
+            if deq is not None and _is_state(k):
+                x = dequantize_fp8(x, f.get_slice(C.scale_key(k))[a:b], deq)
+            out[k] = x
+        return out
 
     def standardized(self, ref: SampleRef, concat: bool = True) -> dict:
         keys = [C.INPUT_IDS, C.LOSS_MASK, C.FINAL_HIDDEN] + [C.hidden_state_key(k) for k in self.indices]
@@ -164,10 +180,15 @@ def _check_shard(path: str, position: int, keys: list[str], m: DumpManifest, man
     silently ruins a drafter -- other capture indices, another target -- is still checked (their metadata has
     both, their tensor names show the indices), re-dumping a large target costs GPU-days, and a resumed run
     refuses to write into such a dump (dump.shards.finished_shard), so nothing new gets mixed into one."""
-    held = sorted(int(k[len(C.HIDDEN_PREFIX):]) for k in keys if k.startswith(C.HIDDEN_PREFIX))
+    held = sorted(k for k in map(C.captured_index, keys) if k is not None)
     if held != list(m.capture.hidden_state_indices):
         raise ContractError(f"{path} holds hidden states {held}, but {manifest_path} claims "
                             f"{m.capture.hidden_state_indices}: the manifest does not describe its shards")
+    scales = sorted(k for k in keys if k.endswith(C.SCALE_SUFFIX))
+    want = sorted(C.scale_key(n) for n in [C.FINAL_HIDDEN, *m.capture.keys()]) if m.storage == C.STORAGE_FP8 else []
+    if scales != want:  # the manifest's storage decides how the states are read: it must be the shard's
+        raise ContractError(f"{path} holds scale tensors {scales}, but {manifest_path} says storage "
+                            f"{m.storage!r} (expects {want})")
     meta = read_shard_metadata(path)
     expected = C.shard_identity(m)
     if C.is_legacy_shard(meta):
@@ -176,6 +197,11 @@ def _check_shard(path: str, position: int, keys: list[str], m: DumpManifest, man
         expected[C.SHARD_INDEX] = position
     C.check_shard_identity(meta, expected, path, manifest_path)
     return meta.get(C.PLAN_SHA256)
+
+
+def _is_state(name: str) -> bool:
+    """A [N, H] state tensor: what fp8 storage quantizes."""
+    return name == C.FINAL_HIDDEN or C.captured_index(name) is not None
 
 
 def _sample_key(m: DumpManifest):

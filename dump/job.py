@@ -43,12 +43,14 @@ class DumpConfig:
     batch_tokens: int = 16384            # padded tokens per forward
     num_samples: int | None = None
     dtype: str = "bf16"
+    storage: str = C.STORAGE_DTYPE       # "dtype": states stored in `dtype`; "fp8": e4m3 + a float32 scale per row
     shard_size_mb: float = 1024.0
     device: str | None = None            # default: cuda if available, else cpu
     progress: bool = True
     record_argmax: bool = True           # store the target's full-vocab argmax per token (4 B/token; fast teacher)
     stop_after_shards: int | None = None  # testing aid: exit after writing this many shards (simulates a kill)
     allow_foreign_data: bool = False     # dump data that `eagle3 regenerate` wrote with another target anyway
+    trust_remote_code: bool = False      # run the tokenizer code the target ships (Kimi-K2.5: tokenization_kimi.py)
 
     def __post_init__(self):
         # Checked here, not in the CLI: `python -m eagle3.dump` under torchrun and library callers get the same
@@ -69,6 +71,8 @@ class DumpConfig:
             raise ContractError("--layers names no index (leave it out for the default capture set)")
         if self.dtype not in T.DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: choose one of {sorted(T.DTYPES)}")
+        if self.storage not in C.STORAGES:
+            raise ValueError(f"--storage {self.storage!r}: choose one of {list(C.STORAGES)}")
         if isinstance(self.data, (str, os.PathLike)) or not self.data:
             raise ValueError(f"--data: expected a list of data files, got {self.data!r}")
         self.data = [os.fspath(p) for p in self.data]  # recorded in dump_config.json
@@ -87,6 +91,20 @@ def plan_shards(lengths: list[int], bytes_per_token: int, shard_bytes: int) -> l
     if cur:
         shards.append(cur)
     return shards
+
+
+def _scale(k) -> str:
+    """Where _quantize_states keeps the scales of captured state k (an HF index, or 'final')."""
+    return f"scale:{k}"
+
+
+def _quantize_states(states: dict, indices: list[int]) -> dict:
+    """fp8 storage: each captured [B, T, H] state -> e4m3 and its [B, T] float32 scales (quantized from the
+    states as captured, in the model's dtype), one state at a time to bound the float32 temporaries."""
+    out = dict(states)
+    for k in [*indices, "final"]:
+        out[k], out[_scale(k)] = S.quantize_fp8(states[k])
+    return out
 
 
 def pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,7 +201,8 @@ def _prepare_out_dir(out: str, manifest: DumpManifest, plan_hash: str, shard_met
     path = os.path.join(out, DUMP_CONFIG)
     record = {"identity": identity, "plan_sha256": plan_hash, "data": data,
               "args": {"data": cfg.data, "max_length": cfg.max_length, "num_samples": cfg.num_samples,
-                       "dtype": cfg.dtype, "shard_size_mb": cfg.shard_size_mb}}
+                       "dtype": cfg.dtype, "storage": cfg.storage, "shard_size_mb": cfg.shard_size_mb,
+                       "trust_remote_code": cfg.trust_remote_code}}
     old = None
     if os.path.isfile(path):
         with open(path) as f:
@@ -202,7 +221,7 @@ def _prepare_out_dir(out: str, manifest: DumpManifest, plan_hash: str, shard_met
                     "bytes it read; resuming would mix old and new samples: use a new --out"), set()
         if old.get("plan_sha256") != plan_hash:
             return (f"{out} holds a dump of different data or arguments ({old.get('args')}); "
-                    f"resuming needs the same --data/--max-length/--num-samples/--dtype/--shard-size-mb "
+                    f"resuming needs the same --data/--max-length/--num-samples/--dtype/--storage/--shard-size-mb "
                     "(and --no-record-argmax for a dump started without target_argmax), or use a new --out"), set()
     try:
         finished = {j for j in range(n_shards) if S.finished_shard(out, j, shard_meta)}
@@ -233,10 +252,11 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
     dp_rank, tp_rank = world.rank // tp, world.rank % tp
     writer_rank = tp_rank == 0
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if world.is_main else (lambda *a: None)
-    tokenizer = T.load_tokenizer(cfg.target)
-    tok_info = T.tokenizer_info(tokenizer)
+    tokenizer = T.load_tokenizer(cfg.target, trust_remote_code=cfg.trust_remote_code)
+    tok_info = T.tokenizer_info(tokenizer, T.remote_code_tokenizer(cfg.target) if cfg.trust_remote_code else None)
     manifest = DumpManifest(target=info, capture=CaptureSpec(hidden_state_indices=indices), tokenizer=tok_info,
-                            dtype=str(dtype).removeprefix("torch."), max_length=cfg.max_length, tp_size=tp,
+                            dtype=str(dtype).removeprefix("torch."), storage=cfg.storage,
+                            max_length=cfg.max_length, tp_size=tp,
                             dp_size=dp, data_files=[os.path.abspath(p) for p in cfg.data],
                             # regenerated data must come from this target (ContractError otherwise)
                             data_sources=data_sources(cfg.data, info, tok_info, cfg.allow_foreign_data))
@@ -256,12 +276,14 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
         raise ValueError(f"no usable conversations in {cfg.data} (skipped: {dict(skipped)})")
     if info.vocab_size >= 2**31:
         raise ValueError("vocab does not fit the int32 input_ids of shard format v1")
-    bytes_per_token = (len(indices) + 1) * info.hidden_size * dtype.itemsize + 4 + 1 + 4 * cfg.record_argmax
+    bytes_per_token = C.bytes_per_token(len(indices) + 1, info.hidden_size, dtype.itemsize, cfg.storage,
+                                        cfg.record_argmax)
     lengths = [len(s.input_ids) for s in samples]
     plan = plan_shards(lengths, bytes_per_token, int(cfg.shard_size_mb * 2**20))
     plan_hash = C.sha256_bytes(C.canonical_json(
         [[samples[i].sample_index for i in sh] for sh in plan] + [lengths, cfg.dtype]
-        + ([C.TARGET_ARGMAX] if cfg.record_argmax else [])))  # without it: the same hash as dumps made before it
+        + ([C.TARGET_ARGMAX] if cfg.record_argmax else [])  # without it: the same hash as dumps made before it
+        + ([cfg.storage] if cfg.storage != C.STORAGE_DTYPE else [])))  # likewise
 
     shard_meta = C.shard_identity(manifest, plan_hash)
     err, finished = D.broadcast_object(_prepare_out_dir(cfg.out, manifest, plan_hash, shard_meta, len(plan), cfg, log)
@@ -295,12 +317,16 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
                 for batch in group_by_length(plan[j], lengths, cfg.batch_tokens):
                     ids, mask = pad_batch([samples[i].input_ids for i in batch], pad_id)
                     states = cap.run(ids.to(device), mask.to(device))
+                    if cfg.storage == C.STORAGE_FP8:
+                        states = _quantize_states(states, indices)  # on the device: a quarter of the bytes to copy
                     if writer_rank:
                         host, ev = to_host(states)  # async on CUDA: the next forward starts at once
                         events += [ev] if ev is not None else []
                         for b, i in enumerate(batch):
                             n = lengths[i]
                             rec = {k: host[k][b, :n] for k in indices}
+                            if cfg.storage == C.STORAGE_FP8:
+                                rec["scales"] = {k: host[_scale(k)][b, :n] for k in [*indices, "final"]}
                             rec.update(final=host["final"][b, :n], sample_index=samples[i].sample_index,
                                        input_ids=samples[i].input_ids, loss_mask=samples[i].loss_mask)
                             if ARGMAX in host:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from eagle3.contract import TargetInfo, TokenizerInfo, config_hash, sha256_bytes
+from eagle3.target import int4_experts as I
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
@@ -86,27 +88,53 @@ def target_info(target_dir: str) -> TargetInfo:
         raise TargetError(f"{target_dir}/config.json: missing {e} (of the text model)") from e
 
 
-def tokenizer_info(tokenizer) -> TokenizerInfo:
-    """Hashes that tell whether two artefacts tokenised the same way (vocab + specials, and the chat template)."""
+def tokenizer_info(tokenizer, remote_code: str | None = None) -> TokenizerInfo:
+    """Hashes that tell whether two artefacts tokenised the same way (vocab + specials, and the chat template),
+    and the shipped tokenizer code that was run to load it (`remote_code`, recorded in the manifest)."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     specials = sorted(str(t) for t in tokenizer.all_special_tokens)
     tok_hash = sha256_bytes(json.dumps([vocab, specials], ensure_ascii=False).encode())
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(
         tokenizer.chat_template, sort_keys=True)
-    return TokenizerInfo(sha256=tok_hash, chat_template_sha256=sha256_bytes((template or "").encode()))
+    return TokenizerInfo(sha256=tok_hash, chat_template_sha256=sha256_bytes((template or "").encode()),
+                         remote_code=remote_code)
 
 
-def load_tokenizer(target_dir: str):
+def remote_code_tokenizer(target_dir: str) -> str | None:
+    """The custom tokenizer class a target ships as code (tokenizer_config.json auto_map.AutoTokenizer), e.g.
+    Kimi-K2.5's `tokenization_kimi.TikTokenTokenizer`; None for a tokenizer transformers loads by itself."""
+    path = os.path.join(target_dir, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        auto = (json.load(f).get("auto_map") or {})
+    ref = auto.get("AutoTokenizer") if isinstance(auto, dict) else auto
+    if isinstance(ref, (list, tuple)):
+        ref = next((r for r in ref if r), None)
+    return ref or None
+
+
+def load_tokenizer(target_dir: str, trust_remote_code: bool = False):
+    """The target's tokenizer. One that ships as custom code runs that code only with trust_remote_code: without it
+    transformers 5.24 silently substitutes its own conversion (for Kimi-K2.5: tiktoken.model turned into a fast
+    tokenizer with transformers' default split regex, not Kimi's), which is not the tokenizer the serving engine
+    runs, so a dump made with it would not match serving. Refused instead."""
     from transformers import AutoTokenizer
+    remote = remote_code_tokenizer(target_dir)
+    if remote and not trust_remote_code:
+        raise TargetError(f"{target_dir}: the tokenizer ships as custom code ({remote}, from tokenizer_config.json "
+                          "auto_map); pass --trust-remote-code to run it (read it first), as the serving engine "
+                          "does. Without it transformers would substitute a conversion that may tokenise differently")
     try:
-        tok = AutoTokenizer.from_pretrained(target_dir)
+        tok = AutoTokenizer.from_pretrained(target_dir, **({"trust_remote_code": True} if remote else {}))
     except Exception as e:  # transformers raises many types here; the user needs the directory named
         raise TargetError(f"{target_dir}: cannot load a tokenizer ({type(e).__name__}: {e})") from e
     if not getattr(tok, "chat_template", None):
         raise TargetError(f"{target_dir}: the tokenizer has no chat template; the dump renders conversations with it "
                           "(add `chat_template` to tokenizer_config.json or a chat_template.jinja file)")
     if not getattr(tok, "is_fast", False):
-        raise TargetError(f"{target_dir}: the tokenizer is not a fast tokenizer; the loss mask needs offsets")
+        raise TargetError(f"{target_dir}: the tokenizer is not a fast tokenizer; the loss mask needs offsets"
+                          + (f" (the custom {remote} is a slow one)" if remote else ""))
     return tok
 
 
@@ -151,9 +179,44 @@ def load_target(target_dir: str, dtype: torch.dtype, device: torch.device, tp_si
         kwargs["distributed_config"] = dc
     else:
         kwargs["device_map"] = {"": device}
-    model = cls.from_pretrained(target_dir, **kwargs)
+    packed = I.packed_int4_config(cfg)
+    if packed is None:
+        model = cls.from_pretrained(target_dir, **kwargs)
+    else:
+        model = _load_with_packed_experts(cls, target_dir, packed, tp_size, kwargs)
     model.eval()
     model.requires_grad_(False)
+    return model
+
+
+VISION_KEY = re.compile(r"(^|\.)(vision_tower|mm_projector)\.")
+
+
+def _load_with_packed_experts(cls, target_dir: str, qc: dict, tp_size: int, kwargs: dict):
+    """A compressed-tensors pack-quantized checkpoint (Kimi-K2.5 as shipped): everything but the routed experts
+    through transformers as usual; the experts stay INT4-packed (target/int4_experts.py says why)."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(target_dir)
+    I.strip_for_packed_loading(config)
+    with I.packed_experts_construction():
+        model, info = cls.from_pretrained(target_dir, config=config, output_loading_info=True, **kwargs)
+    # The packed tensors are the only checkpoint keys transformers may skip, and nothing the dump runs may be left
+    # uninitialised: a silently random weight would make a plausible-looking but wrong dump. The vision tower and
+    # projector never run here (the dump feeds text to the text backbone), so their keys are not held against it.
+    def runs(key):
+        return not VISION_KEY.search(key)
+    unexpected = [k for k in info.get("unexpected_keys", ()) if not I.PACKED_KEY.search(k) and runs(k)]
+    missing = [k for k in info.get("missing_keys", ()) if runs(k)]
+    mismatched = [k for k in info.get("mismatched_keys", ()) if runs(str(k))]
+    if unexpected or missing or mismatched:
+        raise TargetError(f"{target_dir}: loading with packed experts left missing {missing[:5]}, unexpected "
+                          f"{unexpected[:5]}, mismatched {mismatched[:5]}")
+    try:
+        n = I.load_packed_experts(model, target_dir, qc, tp_size)
+    except I.PackedExpertsError as e:
+        raise TargetError(str(e)) from e
+    if n == 0:
+        raise TargetError(f"{target_dir}: pack-quantized, but the model has no routed-expert layer to hold them")
     return model
 
 

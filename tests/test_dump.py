@@ -445,3 +445,8 @@ def test_shard_writer_survives_short_writes(tmp_path, monkeypatch):
     assert sha == C.file_sha256(str(tmp_path / "s.safetensors"))
     with safe_open(str(tmp_path / "s.safetensors"), "pt") as f:
         assert torch.equal(f.get_tensor("a"), t["a"][0]) and torch.equal(f.get_tensor("b"), t["b"][0])
+
+
+def test_a_plain_tokenizer_records_no_remote_code(tiny_dump):
+    from eagle3.contract import load_manifest
+    assert load_manifest(tiny_dump).tokenizer.remote_code is None
