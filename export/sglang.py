@@ -164,6 +164,13 @@ def draft_config(dcfg, ids: list[int]) -> dict:
 SERVE_DRAFT_STEPS = 3  # the export's hint: a chain of 3, the length published acceptance lengths are quoted at
 
 
+def trained_chain_length(train: dict) -> int:
+    """The chain the run was trained and judged for: its held-out replay's length (--accept-steps, else the TTT
+    unroll), so the launch line drafts what training measured; the default for a run that records neither."""
+    steps = train.get("accept_steps") or train.get("ttt_steps")
+    return int(steps) if isinstance(steps, int) and steps > 0 else SERVE_DRAFT_STEPS
+
+
 def server_command(engine: str, target_path: str, export_dir: str, model_type: str = "",
                    disable_cuda_graph: bool = False, steps: int = SERVE_DRAFT_STEPS) -> str:
     """The launch line that serves the target with the exported drafter, chain drafting `steps` tokens (top-1,
@@ -251,7 +258,8 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
         ids_reproduce_capture_in_sglang=(None if reproducing is None
                                          else [{"first": a, "last": b} for a, b in reproducing]),
         needs_disable_cuda_graph=disable_cg, cuda_graph_default_capture=default,
-        server_command=server_command(engine, target.path, out, target.model_type, disable_cg),
+        server_command=server_command(engine, target.path, out, target.model_type, disable_cg,
+                                      steps=trained_chain_length(rec.train)),
         target=target, identity=rec.identity, run_dir=os.path.abspath(run_dir), step=step,
         checkpoint=os.path.abspath(ckpt_dir), standardize=rec.standardize, drafter=dcfg.to_dict(),
         vocab={k: rec.vocab_meta.get(k) for k in ("draft_vocab_size", "coverage")}, notes=notes,

@@ -473,3 +473,12 @@ def test_server_command_serves_the_given_chain():
     assert f"--speculative-num-steps {SERVE_DRAFT_STEPS} " in server_command("sglang", "/t", "/d")
     assert server_command("sglang", "/t", "/d", "kimi_k25", True).endswith("--trust-remote-code --disable-cuda-graph")
     assert '"num_speculative_tokens": 5' in server_command("vllm", "/t", "/d", steps=5)
+
+
+def test_the_export_launch_line_drafts_the_chain_the_run_was_judged_on(tiny_run, tmp_path):
+    # the run trained a TTT unroll of 7 with no --accept-steps: its held-out replay walked chains of 7
+    from eagle3.export.sglang import SERVE_DRAFT_STEPS, export_drafter, trained_chain_length
+    prov = export_drafter(tiny_run, str(tmp_path / "e"))
+    assert "--speculative-num-steps 7 " in prov.server_command
+    assert trained_chain_length({"accept_steps": 5, "ttt_steps": 7}) == 5
+    assert trained_chain_length({}) == SERVE_DRAFT_STEPS
