@@ -17,8 +17,6 @@ partial sums are all-reduced over the TP group, which is what transformers' `moe
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import re
 
 import torch
@@ -170,22 +168,11 @@ def strip_for_packed_loading(config) -> None:
             c.base_model_tp_plan = {k: v for k, v in plan.items() if ".mlp.experts" not in k}
 
 
-def _checkpoint_files(target_dir: str) -> dict[str, str]:
-    """key -> safetensors file of a (sharded) checkpoint directory."""
-    index = os.path.join(target_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            return {k: os.path.join(target_dir, v) for k, v in json.load(f)["weight_map"].items()}
-    from safetensors import safe_open
-    path = os.path.join(target_dir, "model.safetensors")
-    with safe_open(path, "pt") as f:
-        return {k: path for k in f.keys()}
-
-
 def packed_keys(target_dir: str) -> dict[tuple[int, int, str, str], tuple[str, str]]:
     """(layer, expert, proj, part) -> (key, file) for every routed-expert packed tensor of the checkpoint."""
+    from eagle3.target.weights import weight_files  # here: weights imports load, which imports this module
     out = {}
-    for key, path in _checkpoint_files(target_dir).items():
+    for key, path in weight_files(target_dir).items():
         m = PACKED_KEY.search(key)
         if m:
             out[(int(m[1]), int(m[2]), m[3], m[4])] = (key, path)

@@ -20,8 +20,9 @@ HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
 NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight")
 
 
-def _weight_files(target_dir: str) -> dict[str, str]:
-    """tensor name -> file, from the index or the single model.safetensors."""
+def weight_files(target_dir: str) -> dict[str, str]:
+    """tensor name -> file, from the index or the single model.safetensors (also how target/int4_experts.py finds
+    the packed experts)."""
     index = os.path.join(target_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -43,7 +44,7 @@ def _read(files: dict[str, str], candidates: tuple[str, ...], what: str, target_
 
 def load_embedding_and_head(target_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(embed_tokens.weight [V, H], lm_head.weight [V, H]) of the target, in the checkpoint's dtype."""
-    files = _weight_files(target_dir)
+    files = weight_files(target_dir)
     embed = _read(files, EMBED_KEYS, "embedding", target_dir)
     if embed is None:
         raise KeyError(f"{target_dir}: no token embedding among {EMBED_KEYS}")
@@ -59,7 +60,7 @@ def load_embedding_and_head(target_dir: str) -> tuple[torch.Tensor, torch.Tensor
 
 def load_final_norm(target_dir: str) -> torch.Tensor:
     """The target's final RMSNorm weight [H] (the norm in front of its lm_head), in the checkpoint's dtype."""
-    norm = _read(_weight_files(target_dir), NORM_KEYS, "final norm", target_dir)
+    norm = _read(weight_files(target_dir), NORM_KEYS, "final norm", target_dir)
     if norm is None:
         raise KeyError(f"{target_dir}: no final norm among {NORM_KEYS}")
     return norm
