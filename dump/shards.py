@@ -200,19 +200,18 @@ def write_shard(out_dir: str, j: int, samples: list[dict], indices: list[int], m
         C.SAMPLE_OFFSETS: [offsets],
         C.SAMPLE_INDEX: [torch.tensor([s["sample_index"] for s in samples], dtype=torch.int64)],
     }
+    state_tensors = {name: [s[src] for s in samples] for name, src in states.items()}
     fp8 = bool(samples) and "scales" in samples[0]
     if fp8:  # 4-byte scales and ids before the 1-byte states (the bf16 order would misalign them for odd N*H)
-        for name, src in states.items():
-            tensors[C.scale_key(name)] = [s["scales"][src].to(torch.float32) for s in samples]
+        tensors.update({C.scale_key(name): [s["scales"][src].to(torch.float32) for s in samples]
+                        for name, src in states.items()})
     else:
-        for name, src in states.items():
-            tensors[name] = [s[src] for s in samples]
+        tensors.update(state_tensors)
     tensors[C.INPUT_IDS] = [torch.as_tensor(s["input_ids"], dtype=torch.int32) for s in samples]
     if all("target_argmax" in s for s in samples):
         tensors[C.TARGET_ARGMAX] = [torch.as_tensor(s["target_argmax"], dtype=torch.int32) for s in samples]
     if fp8:
-        for name, src in states.items():
-            tensors[name] = [s[src] for s in samples]
+        tensors.update(state_tensors)
     tensors[C.LOSS_MASK] = [torch.as_tensor(s["loss_mask"], dtype=torch.uint8) for s in samples]
     path = os.path.join(out_dir, shard_name(j))
     tmp = tmp_name(path)

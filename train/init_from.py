@@ -80,11 +80,14 @@ def read_init_from(export_dir: str, manifest: C.DumpManifest, sglang_version: st
                     weights_sha256=C.file_sha256(os.path.join(path, WEIGHTS_FILE)), served_capture=served)
 
 
+def _is_exports_map(init: InitFrom, d2t: torch.Tensor, t2d: torch.Tensor) -> bool:
+    return (torch.equal(d2t.cpu().to(torch.int64), init.tensors["d2t"].to(torch.int64))
+            and torch.equal(t2d.cpu().to(torch.bool), init.tensors["t2d"].to(torch.bool)))
+
+
 def check_same_vocab(init: InitFrom, vocab: dict, where: str) -> None:
     """A --vocab given with --init-from must be the export's own map: its lm_head rows are those tokens."""
-    same = (torch.equal(vocab["d2t"].to(torch.int64), init.tensors["d2t"].to(torch.int64))
-            and torch.equal(vocab["t2d"].to(torch.bool), init.tensors["t2d"].to(torch.bool)))
-    if not same:
+    if not _is_exports_map(init, vocab["d2t"], vocab["t2d"]):
         raise C.ContractError(f"{where}: not the draft vocabulary of --init-from {init.path} (its lm_head rows are "
                               "other tokens): drop --vocab to train with the export's own map")
 
@@ -92,8 +95,7 @@ def check_same_vocab(init: InitFrom, vocab: dict, where: str) -> None:
 @torch.no_grad()
 def load_into(drafter, init: InitFrom) -> None:
     """Copy the export's weights into `drafter` (built from init.config, vocab map already set)."""
-    if not (torch.equal(drafter.d2t.cpu(), init.tensors["d2t"].to(torch.int64))
-            and torch.equal(drafter.t2d.cpu(), init.tensors["t2d"].to(torch.bool))):
+    if not _is_exports_map(init, drafter.d2t, drafter.t2d):
         raise C.ContractError(f"--init-from {init.path}: the drafter's vocab map is not the export's")
     params = dict(drafter.named_parameters())
     for name, t in init.tensors.items():
