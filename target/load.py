@@ -118,7 +118,8 @@ def load_tokenizer(target_dir: str, trust_remote_code: bool = False):
     """The target's tokenizer. One that ships as custom code runs that code only with trust_remote_code: without it
     transformers 5.24 silently substitutes its own conversion (for Kimi-K2.5: tiktoken.model turned into a fast
     tokenizer with transformers' default split regex, not Kimi's), which is not the tokenizer the serving engine
-    runs, so a dump made with it would not match serving. Refused instead."""
+    runs, so a dump made with it would not match serving. Refused instead. Fast and slow tokenizers are both
+    returned (the shipped Kimi one is slow)."""
     from transformers import AutoTokenizer
     remote = remote_code_tokenizer(target_dir)
     if remote and not trust_remote_code:
@@ -132,9 +133,8 @@ def load_tokenizer(target_dir: str, trust_remote_code: bool = False):
     if not getattr(tok, "chat_template", None):
         raise TargetError(f"{target_dir}: the tokenizer has no chat template; the dump renders conversations with it "
                           "(add `chat_template` to tokenizer_config.json or a chat_template.jinja file)")
-    if not getattr(tok, "is_fast", False):
-        raise TargetError(f"{target_dir}: the tokenizer is not a fast tokenizer; the loss mask needs offsets"
-                          + (f" (the custom {remote} is a slow one)" if remote else ""))
+    # A slow tokenizer (no offsets; Kimi-K2.5's custom TikTokenTokenizer is one) is fine: the loss mask has an
+    # offset-free path for it (dump/conversations.py, module docstring step 4).
     return tok
 
 

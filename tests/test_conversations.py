@@ -10,7 +10,7 @@ from eagle3.dump import conversations as C
 from eagle3.dump import example as E
 from eagle3.dump.conversations import DataError, SkipSample, load_samples, read_conversations, render_and_mask
 from eagle3.dump.example import example_sharegpt_jsonl
-from tiny_tokenizers import TEMPLATES, VOCAB_LIMIT, make_tokenizer
+from tiny_tokenizers import TEMPLATES, VOCAB_LIMIT, make_slow_tokenizer, make_tokenizer
 
 CONV = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -156,11 +156,176 @@ def test_tokenizer_requirements():
     with pytest.raises(ValueError, match="chat_template"):
         render_and_mask(tok, CONV, None)
 
-    class Slow:
-        is_fast = False
-        chat_template = "x"
-    with pytest.raises(ValueError, match="fast"):
-        render_and_mask(Slow(), CONV, None)
+    slow = make_slow_tokenizer("chatml")  # a slow tokenizer is accepted (offset-free path, tests below)
+    assert not slow.is_fast and render_and_mask(slow, CONV, None) == render_and_mask(make_tokenizer("chatml"), CONV,
+                                                                                     None)
+    slow.chat_template = None
+    with pytest.raises(ValueError, match="chat_template"):
+        render_and_mask(slow, CONV, None)
+
+
+# ------------------------------------------------------------------------------------------ slow tokenizers
+
+# Conversations for the slow (offset-free) path: system/user/assistant turns, multi-byte answers, empty-ish answers.
+SLOW_CONVS = [
+    CONV,
+    CONV[1:],                                                              # no system turn
+    CONV[:3] + [{"role": "user", "content": "Say something naïve."},
+                {"role": "assistant", "content": "naïve café 日本語 🙂"},
+                {"role": "user", "content": "And nothing?"},
+                {"role": "assistant", "content": " "}],                    # an empty-ish answer
+    CONV[1:3] + [{"role": "user", "content": "🙂"}, {"role": "assistant", "content": "🙂🙂 日本語"},
+                 {"role": "user", "content": "Again."}, {"role": "assistant", "content": ""}],  # an empty answer
+    [{"role": "assistant", "content": "Earlier answer."}] + CONV[1:],      # leading assistant turn: unmasked
+    CONV[:3] + [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is Paris.\n\n  Indented, café.\n"}] + CONV[3:],
+]
+
+
+def outcome(tok, conv, max_length=None, **kw):
+    """(ids, mask), or the skip reason."""
+    try:
+        return render_and_mask(tok, conv, max_length, **kw)
+    except SkipSample as e:
+        return e.reason
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_slow_tokenizer_masks_equal_the_offsets_masks(template):
+    """The twin slow tokenizer (same vocab, no offsets, tests/slow_tokenizer.py) gives the fast tokenizer's ids and
+    masks on every conversation, truncated or not."""
+    fast, slow = make_tokenizer(template), make_slow_tokenizer(template)
+    for conv in SLOW_CONVS:
+        text = fast.apply_chat_template(conv, tokenize=False)
+        assert slow(text, add_special_tokens=False)["input_ids"] == fast(text, add_special_tokens=False)["input_ids"]
+        ref = outcome(fast, conv)
+        assert isinstance(ref, tuple) and any(ref[1]), (template, conv)
+        got = outcome(slow, conv)
+        assert got == ref, (template, conv, runs(fast, *ref), runs(fast, *got) if isinstance(got, tuple) else got)
+        for k in (ref[1].index(1), ref[1].index(1) + 1, len(ref[0]) - 1):
+            assert outcome(slow, conv, k) == outcome(fast, conv, k)
+    ids, mask = render_and_mask(slow, CONV, None)
+    assert runs(slow, ids, mask) == GOLDEN_MASKED[template]
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_offset_free_path_on_the_same_fast_tokenizer(template, monkeypatch):
+    """The offset-free path run on the very tokenizer whose offsets the fast path reads gives the same masks."""
+    tok = make_tokenizer(template)
+    ref = [outcome(tok, conv) for conv in SLOW_CONVS]
+    monkeypatch.setattr(C, "_is_fast", lambda tokenizer: False)
+    assert [outcome(tok, conv) for conv in SLOW_CONVS] == ref
+
+
+STRADDLE_TEMPLATE = (  # the header ends in a space that byte-level BPE merges with the answer's first bytes
+    "{%- for m in messages %}{%- if m.role == 'assistant' %}{{- 'Assistant: ' + m.content + '<|im_end|>' }}"
+    "{%- else %}{{- 'User: ' + m.content + '<|im_end|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- 'Assistant: ' }}{%- endif %}")
+STRADDLE_CONVS = [
+    [CONV[1], CONV[2]],                                                    # ' Hello' straddles the span start
+    [CONV[1], {"role": "assistant", "content": "éa ïb"}],                 # ' \xc3' straddles it, ends mid-character
+    [CONV[1], {"role": "assistant", "content": "ï"}, CONV[3], {"role": "assistant", "content": "ê 🙂"}],
+]
+
+
+def straddle_tokenizers():
+    """A fast byte-level BPE whose merges include ' ' + the lead byte of 'é'/'ï'/'ê' (tokens ending inside a
+    character) and ' Hello', with its slow twin."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from slow_tokenizer import SlowByteLevelBPE
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
+    specials = [AddedToken(t, special=True, normalized=False) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")]
+    # each accented character once per copy (4 < min_frequency: never a whole token), ' ' + their lead byte 56 times
+    corpus = ["Hello there! Hello Hello Hello Hi! Thanks, bye. Assistant: User:", " é è ê ë ï î ô û à â ç ü ö ä"]
+    bpe.train_from_iterator(corpus * 4, trainers.BpeTrainer(
+        vocab_size=300, min_frequency=5, show_progress=False, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    roles = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>"}
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, clean_up_tokenization_spaces=False, **roles)
+    slow = SlowByteLevelBPE(tokenizer_json=bpe.to_str(), **roles)
+    fast.chat_template = slow.chat_template = STRADDLE_TEMPLATE
+    assert "ĠÃ" in fast.get_vocab() and "ĠHello" in fast.get_vocab()
+    return fast, slow
+
+
+def test_slow_path_span_boundary_inside_a_token(monkeypatch):
+    """A span boundary inside a token (not prefix-stable): the decode walk places it as the offsets do, also when
+    the straddling token ends inside a multi-byte character (decode gives U+FFFD for the partial character)."""
+    fast, slow = straddle_tokenizers()
+    walked = []
+    real = C._decoded_chars
+
+    def spy(tokenizer, text, ids):
+        walked.append(tokenizer.decode(ids)[-1:])
+        return real(tokenizer, text, ids)
+    monkeypatch.setattr(C, "_decoded_chars", spy)
+    for conv in STRADDLE_CONVS:
+        ref = render_and_mask(fast, conv, None)
+        assert render_and_mask(slow, conv, None) == ref, (conv, runs(fast, *ref))
+    assert "\ufffd" in walked  # the walk did cross a prefix ending inside a character
+    assert runs(fast, *render_and_mask(fast, STRADDLE_CONVS[0], None)) == [" there!<|im_end|>"]
+
+
+def test_planted_faults_in_the_offset_free_path_are_caught(monkeypatch):
+    """The comparisons above can fail: a boundary one token off, or a walk that does not expect a partial
+    character at the end of a decoded prefix."""
+    fast, slow = straddle_tokenizers()
+    refs = [render_and_mask(fast, conv, None) for conv in STRADDLE_CONVS]
+    real_first, real_chars = C._first_token_at, C._decoded_chars
+
+    def shifted(tokenizer, text, ids, c):
+        t = real_first(tokenizer, text, ids, c)
+        return t + 1 if 0 < t < len(ids) else t
+    monkeypatch.setattr(C, "_first_token_at", shifted)
+    assert [outcome(slow, conv) for conv in STRADDLE_CONVS] != refs
+    monkeypatch.setattr(C, "_first_token_at", real_first)
+
+    def naive(tokenizer, text, ids):  # a decoded prefix ending in U+FFFD taken as "not the text"
+        decoded = tokenizer.decode(ids)
+        return len(decoded) if text.startswith(decoded) else None
+    monkeypatch.setattr(C, "_decoded_chars", naive)
+    assert [outcome(slow, conv) for conv in STRADDLE_CONVS] != refs
+    monkeypatch.setattr(C, "_decoded_chars", real_chars)
+    assert [outcome(slow, conv) for conv in STRADDLE_CONVS] == refs
+
+
+def test_slow_path_boundary_not_found_leaves_the_turn_unmasked(monkeypatch):
+    """A tokenizer whose decoding does not give the text back: a straddled boundary cannot be placed, so that turn
+    is unmasked (counted with the reason) and a record left with none is mask_alignment_failed."""
+    _fast, slow = straddle_tokenizers()
+    monkeypatch.setattr(type(slow), "decode", lambda self, ids, **kw: "?" * len(ids))
+    conv = [CONV[1], CONV[2], CONV[3], {"role": "assistant", "content": "Bye!"}]  # ' Hello' straddles, 'Bye' not
+    stats = collections.Counter()
+    ids, mask = C._render_and_mask(slow, conv, None, stats)
+    assert stats["assistant_turns"] == 2 and stats["assistant_turns_unmasked"] == 1
+    assert stats["unmasked: the tokenizer's decoding does not give back the text"] == 1
+    assert sum(mask) == len(slow("Bye!<|im_end|>", add_special_tokens=False)["input_ids"])
+    with pytest.raises(SkipSample, match="decoding does not give back the text") as e:
+        render_and_mask(slow, conv[:2], None)
+    assert e.value.reason == "mask_alignment_failed"
+
+
+def test_slow_tokenizer_with_generation_blocks_uses_prefix_rendering(tmp_path):
+    """transformers' {% generation %} masks need offsets: a slow tokenizer takes prefix rendering under 'auto'
+    and 'generation' is refused; load_samples gives the fast tokenizer's samples."""
+    marked_fast = with_generation_blocks("chatml")
+    slow = make_slow_tokenizer("chatml")
+    slow.chat_template = marked_fast.chat_template
+    for conv in SLOW_CONVS:
+        assert outcome(slow, conv) == outcome(marked_fast, conv, method="prefix")
+    with pytest.raises(ValueError, match="needs a fast tokenizer"):
+        render_and_mask(slow, CONV, None, method="generation")
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": c} for c in SLOW_CONVS] + [{"messages": []}])
+    ref, ref_skipped = load_samples([path], make_tokenizer("chatml"), progress=False)
+    got, skipped = load_samples([path], slow, progress=False)
+    assert skipped == ref_skipped == collections.Counter(empty=1)
+    assert [(s.sample_index, s.input_ids, s.loss_mask) for s in got] == \
+        [(s.sample_index, s.input_ids, s.loss_mask) for s in ref]
 
 
 # ------------------------------------------------------------------------------------------ {% generation %} masks

@@ -313,3 +313,64 @@ def test_cli_takes_trust_remote_code(remote_tokenizer_target, convs, tmp_path):
                         convs, "--out", str(tmp_path / "d"), "--num-samples", "2", "--dtype", "fp32",
                         "--no-progress", "--trust-remote-code"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def slow_remote_tokenizer_target(tiny_targets, tmp_path_factory):
+    """The tiny Llama target with its tokenizer shipped as code the way Kimi-K2.5 ships tokenization_kimi.py: a
+    slow (Python, no offsets) tokenizer class, auto_map [slow, None]; same vocab as the target's fast tokenizer."""
+    import shutil
+    path = tmp_path_factory.mktemp("slow_remote_tok") / "llama"
+    shutil.copytree(tiny_targets["llama"], path)
+    shutil.copy(os.path.join(os.path.dirname(__file__), "slow_tokenizer.py"), path / "tokenization_tiny_slow.py")
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["auto_map"] = {"AutoTokenizer": ["tokenization_tiny_slow.SlowByteLevelBPE", None]}
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_a_slow_tokenizer_shipped_as_code_dumps_like_the_fast_one(slow_remote_tokenizer_target, tiny_targets, convs,
+                                                                  tmp_path):
+    """Kimi-K2.5's tokenizer is slow: it loads behind --trust-remote-code, and the dump (loss mask by the offset-free
+    path) holds the same ids, masks and states as a dump of the same model with the fast tokenizer."""
+    from eagle3.contract import load_manifest
+    from eagle3.target.load import TargetError, load_tokenizer
+    with pytest.raises(TargetError, match=r"tokenization_tiny_slow.SlowByteLevelBPE.*--trust-remote-code"):
+        load_tokenizer(slow_remote_tokenizer_target)
+    tok = load_tokenizer(slow_remote_tokenizer_target, trust_remote_code=True)
+    assert type(tok).__name__ == "SlowByteLevelBPE" and not tok.is_fast
+    ref = dump(tiny_targets["llama"], convs, tmp_path / "fast", num_samples=6)
+    dump(slow_remote_tokenizer_target, convs, tmp_path / "slow", num_samples=6, trust_remote_code=True)
+    a, _ = read_dump(tmp_path / "fast")
+    b, mb = read_dump(tmp_path / "slow")
+    assert sorted(a) == sorted(b) and len(a) == 6 and mb.tokenizer.sha256 == ref.tokenizer.sha256
+    for si in a:
+        assert torch.equal(b[si][C.INPUT_IDS], a[si][C.INPUT_IDS]) and torch.equal(b[si][C.LOSS_MASK], a[si][C.LOSS_MASK])
+        assert a[si][C.LOSS_MASK].any() and not a[si][C.LOSS_MASK].all()
+        torch.testing.assert_close(b[si][C.FINAL_HIDDEN], a[si][C.FINAL_HIDDEN], atol=0, rtol=0)
+    assert load_manifest(str(tmp_path / "slow")).tokenizer.remote_code == "tokenization_tiny_slow.SlowByteLevelBPE"
+    # training checks the target's tokenizer against the dumps': the same flag lets it run the shipped code
+    from eagle3.train.trainer import check_target_matches_dumps
+    with pytest.raises(TargetError, match="--trust-remote-code"):
+        check_target_matches_dumps(slow_remote_tokenizer_target, mb)
+    check_target_matches_dumps(slow_remote_tokenizer_target, mb, trust_remote_code=True)
+
+
+def test_regenerate_runs_a_tokenizer_shipped_as_code_only_behind_the_flag(slow_remote_tokenizer_target, tiny_targets,
+                                                                       convs, tmp_path):
+    """eagle3 regenerate --engine hf with Kimi's kind of tokenizer: refused without --trust-remote-code; with it, the
+    greedy answers equal those written through the fast tokenizer of the same model, and regenerate.json records
+    the shipped code that ran."""
+    from eagle3.dump.regenerate import RegenConfig, run_regenerate
+    from eagle3.target.load import TargetError
+    kw = dict(engine="hf", max_new_tokens=8, batch_size=4, num_samples=4, max_turns=1, progress=False)
+    with pytest.raises(TargetError, match="--trust-remote-code"):
+        run_regenerate(RegenConfig(data=[convs], out=str(tmp_path / "refused"), target=slow_remote_tokenizer_target,
+                                   **kw))
+    fast = run_regenerate(RegenConfig(data=[convs], out=str(tmp_path / "fast"), target=tiny_targets["llama"], **kw))
+    slow = run_regenerate(RegenConfig(data=[convs], out=str(tmp_path / "slow"), target=slow_remote_tokenizer_target,
+                                      trust_remote_code=True, **kw))
+    assert slow["tokenizer"]["remote_code"] == "tokenization_tiny_slow.SlowByteLevelBPE"
+    assert fast["tokenizer"]["remote_code"] is None and slow["identity"] == fast["identity"]
+    lines = [(tmp_path / d / "conversations.jsonl").read_text() for d in ("fast", "slow")]
+    assert lines[0] == lines[1] and lines[0].count("\n") == 4

@@ -136,14 +136,17 @@ def _stops(tok) -> set[int]:
 # hf engine
 # ----------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("batching", ["padded", "continuous"])
-def test_engine_generate_is_token_exact_with_naive_greedy(word_target, batching):
-    """Left-padded batch + KV cache (model.generate), and continuous batching with its paged cache
+@pytest.mark.parametrize("batching,kv_cache", [("padded", "dynamic"), ("padded", "static"), ("continuous", "auto")])
+def test_engine_generate_is_token_exact_with_naive_greedy(word_target, batching, kv_cache):
+    """Left-padded batch + KV cache (model.generate; dynamic, or static with every prompt padded to
+    --max-prompt-tokens and rows to a power of two), and continuous batching with its paged cache
     (model.generate_batch) == unbatched, uncached argmax, token for token."""
     from eagle3.target.load import load_target, load_tokenizer
-    cfg = RegenConfig(data=[], out="", max_new_tokens=14, batching=batching)
+    cfg = RegenConfig(data=[], out="", max_new_tokens=14, batching=batching, kv_cache=kv_cache,
+                      max_prompt_tokens=64)
     engine = HFEngine(word_target, torch.float32, torch.device("cpu"), cfg)
     assert engine.continuous == (batching == "continuous")
+    assert engine.static == (kv_cache == "static")
     tok, model = load_tokenizer(word_target), load_target(word_target, torch.float32, torch.device("cpu"))
     assert set(engine.stop_ids) == _stops(tok)
     texts = ["the fox", "quick brown dogs jumps over the lazy wizards while seven", "hum", "a song about code",
@@ -193,10 +196,11 @@ def _naive_conversation(model, tok, messages, max_new):
     return {"messages": history, "finish_reasons": finishes, "completion_tokens": counts}
 
 
-@pytest.mark.parametrize("batching", ["padded", "continuous"])
-def test_hf_multi_turn_greedy_equals_naive_conversations(word_target, chats, tmp_path, batching):
+@pytest.mark.parametrize("batching,kv_cache", [("padded", "dynamic"), ("padded", "static"), ("continuous", "auto")])
+def test_hf_multi_turn_greedy_equals_naive_conversations(word_target, chats, tmp_path, batching, kv_cache):
     from eagle3.target.load import load_target, load_tokenizer
-    rec = regen(chats, tmp_path / "out", word_target, batch_size=4, max_new_tokens=12, batching=batching)
+    rec = regen(chats, tmp_path / "out", word_target, batch_size=4, max_new_tokens=12, batching=batching,
+                kv_cache=kv_cache, max_prompt_tokens=200)
     tok, model = load_tokenizer(word_target), load_target(word_target, torch.float32, torch.device("cpu"))
     items, skipped, read = read_items([chats], None)
     assert read == 10 and not skipped
@@ -227,6 +231,7 @@ def test_hf_multi_turn_greedy_equals_naive_conversations(word_target, chats, tmp
     assert rec["counts"]["assistant_turns"] == sum(len(c["finish_reasons"]) for c in convs.values())
     assert rec["status"] == "complete" and rec["engine"]["dtype"] == "float32"
     assert rec["engine"]["batching"] == batching
+    assert rec["engine"]["kv_cache"] == ("static" if kv_cache == "static" else "dynamic")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

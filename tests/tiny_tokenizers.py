@@ -328,3 +328,15 @@ def make_word_tokenizer(extra_words=()) -> PreTrainedTokenizerFast:
                                         model_max_length=1 << 20, **_SPECS["chatml"]["roles"])
     tokenizer.chat_template = SMOLLM2_TEMPLATE
     return tokenizer
+
+
+def make_slow_tokenizer(template: str):
+    """The slow (pure Python, no offsets) twin of ``make_tokenizer(template)``: same vocab, merges, special tokens
+    and chat template, in the shape of Kimi-K2.5's tiktoken-based ``TikTokenTokenizer`` (tests/slow_tokenizer.py)."""
+    from slow_tokenizer import SlowByteLevelBPE
+    fast = make_tokenizer(template)
+    tokenizer = SlowByteLevelBPE(tokenizer_json=_tokenizer_json(template), model_max_length=1 << 20,
+                                 **_SPECS[template]["roles"])
+    tokenizer.chat_template = fast.chat_template
+    assert not tokenizer.is_fast and tokenizer.get_vocab() == fast.get_vocab(), template
+    return tokenizer

@@ -31,6 +31,10 @@ class TrainConfig:
     dump: list[str] = _opt(default_factory=list, help="dump directories (eagle3 dump --out); several must share one "
                                                       "capture contract (target, indices, tokenizer)")
     target: str = _opt("", "target model directory (only its embedding and lm_head are read)")
+    trust_remote_code: bool = _opt(False, "run the tokenizer code the target ships (tokenizer_config.json auto_map, "
+                                          "e.g. Kimi-K2.5's tokenization_kimi.py) to check the target's tokenizer "
+                                          "against the dumps', as eagle3 dump --trust-remote-code did; refused "
+                                          "otherwise")
     out: str = _opt("runs/train", "run directory: run.json, metrics.jsonl, checkpoints/, tensorboard/")
     drafter: str = _opt("auto", "configs/drafters preset, or 'auto' (the target's own attention/MLP shape)")
     draft_vocab_size: int | None = _opt(None, "draft vocabulary size (default: the drafter preset's)")

@@ -41,7 +41,7 @@ from eagle3.train.config import TrainConfig
 RESUMABLE = frozenset({"max_steps", "epochs", "save_interval", "keep_checkpoints", "eval_interval", "keep_best",
                        "log_interval", "num_workers", "activation_checkpointing", "fast_path", "attention_kernel",
                        "teacher_chunk_tokens", "report_to", "wandb_project", "wandb_mode", "progress",
-                       "stop_after_steps", "resume", "dump", "target", "out"})
+                       "stop_after_steps", "resume", "dump", "target", "out", "trust_remote_code"})
 
 
 class DrafterTrainStep(nn.Module):
@@ -94,10 +94,12 @@ class DrafterTrainStep(nn.Module):
 
 # ----------------------------------------------------------------------------------------------- set-up pieces
 
-def check_target_matches_dumps(target_dir: str, manifest: C.DumpManifest) -> None:
-    """The target named for training must be the one the dumps were made with."""
+def check_target_matches_dumps(target_dir: str, manifest: C.DumpManifest, trust_remote_code: bool = False) -> None:
+    """The target named for training must be the one the dumps were made with. `trust_remote_code`: run the
+    tokenizer code the target ships (Kimi-K2.5), refused otherwise (target/load.py load_tokenizer)."""
     from eagle3.target.load import load_tokenizer, target_info, tokenizer_info
-    info, tok = target_info(target_dir), tokenizer_info(load_tokenizer(target_dir))
+    info = target_info(target_dir)
+    tok = tokenizer_info(load_tokenizer(target_dir, trust_remote_code=trust_remote_code))
     mine = {"target.config_sha256": info.config_sha256, "target.architecture": info.architecture,
             "target.hidden_size": info.hidden_size, "target.vocab_size": info.vocab_size,
             "tokenizer.sha256": tok.sha256, "tokenizer.chat_template_sha256": tok.chat_template_sha256}
@@ -450,7 +452,7 @@ def train(cfg: TrainConfig) -> dict:
     if dumps is None:
         dumps = DumpSet(cfg.dump, verify=False)
     manifest = dumps.manifest
-    D.run_on_main(lambda: check_target_matches_dumps(cfg.target, manifest), world)
+    D.run_on_main(lambda: check_target_matches_dumps(cfg.target, manifest, cfg.trust_remote_code), world)
     train_refs, held_refs = split(dumps.refs, cfg.held_out_fraction, cfg.seed)
     if not train_refs:
         raise ValueError("no training samples after the held-out split")
