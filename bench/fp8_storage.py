@@ -16,6 +16,7 @@ DIR is only read.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -39,13 +40,13 @@ def reencode_fp8(src: str, out: str) -> str:
     if os.path.isfile(os.path.join(out, C.MANIFEST_FILE)):
         return out
     os.makedirs(out, exist_ok=True)
-    m = C.load_manifest(src)
-    m.storage = C.STORAGE_FP8
+    m = dataclasses.replace(C.load_manifest(src), storage=C.STORAGE_FP8)  # format version 2 with it
     records = []
     for j, rec in enumerate(m.shards):
         with safe_open(os.path.join(src, rec.file), "pt") as f:
             t = {k: f.get_tensor(k) for k in f.keys()}
-        meta = dict(S.read_shard_metadata(os.path.join(src, rec.file)), **{C.STORAGE: C.STORAGE_FP8})
+        meta = dict(S.read_shard_metadata(os.path.join(src, rec.file)), **{C.STORAGE: C.STORAGE_FP8,
+                                                                       "format_version": m.format_version})
         off = t[C.SAMPLE_OFFSETS].tolist()
         samples = []
         for n, si in enumerate(t[C.SAMPLE_INDEX].tolist()):

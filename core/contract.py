@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
 DUMP_FORMAT = "eagle3-dump"
-DUMP_FORMAT_VERSION = 1
+DUMP_FORMAT_VERSION = 1  # a dump whose states are stored in its dtype (DUMP_FORMAT_VERSIONS)
 STANDARDIZE_VERSION = "v1"
 
 # Tensor names inside a dump shard (format v1).
@@ -38,6 +38,10 @@ HIDDEN_PREFIX = "hidden_states."
 STORAGE_DTYPE = "dtype"
 STORAGE_FP8 = "fp8"
 STORAGES = (STORAGE_DTYPE, STORAGE_FP8)
+# The format version a dump is written with says who can read it. Version 1 holds the states in `dtype`; every
+# eagle3 reads it. Version 2 holds them as fp8 + per-token scales: a reader from before fp8 storage accepts version 1
+# only, so it refuses such a dump by its version instead of misreading the fp8 bytes as states.
+DUMP_FORMAT_VERSIONS = {STORAGE_DTYPE: DUMP_FORMAT_VERSION, STORAGE_FP8: 2}
 SCALE_SUFFIX = ".scale"
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
 
@@ -217,6 +221,10 @@ class DumpManifest:
     # `dtype`). Manifests written before it existed are "dtype".
     storage: str = STORAGE_DTYPE
 
+    def __post_init__(self):
+        if self.storage in DUMP_FORMAT_VERSIONS:  # from_dict names an unknown storage itself
+            self.format_version = DUMP_FORMAT_VERSIONS[self.storage]
+
     @property
     def totals(self) -> dict:
         return {"shards": len(self.shards), "samples": sum(s.samples for s in self.shards),
@@ -232,9 +240,10 @@ class DumpManifest:
     def from_dict(cls, d: dict, source: str = "manifest") -> "DumpManifest":
         if d.get("format") != DUMP_FORMAT:
             raise ContractError(f"{source}: not an {DUMP_FORMAT} manifest (format={d.get('format')!r})")
-        if d.get("format_version") != DUMP_FORMAT_VERSION:
+        known = sorted(set(DUMP_FORMAT_VERSIONS.values()))
+        if d.get("format_version") not in known:
             raise ContractError(f"{source}: dump format version {d.get('format_version')} is not supported "
-                                f"(this eagle3 reads version {DUMP_FORMAT_VERSION})")
+                                f"(this eagle3 reads versions {known})")
         try:
             m = cls(target=TargetInfo(**d["target"]), capture=CaptureSpec(**d["capture"]),
                     tokenizer=TokenizerInfo(**d["tokenizer"]), dtype=d["dtype"], max_length=d["max_length"],
@@ -246,6 +255,9 @@ class DumpManifest:
             raise ContractError(f"{source}: malformed manifest ({e})") from e
         if m.storage not in STORAGES:
             raise ContractError(f"{source}: storage {m.storage!r} is not one this eagle3 reads {STORAGES}")
+        if d["format_version"] != m.format_version:
+            raise ContractError(f"{source}: format version {d['format_version']} with storage {m.storage!r} "
+                                f"(that storage is written as version {m.format_version}): a malformed manifest")
         validate_indices(m.capture.hidden_state_indices, m.target.num_hidden_layers)
         if m.capture.hidden_state_indices != sorted(m.capture.hidden_state_indices):
             raise ContractError(f"{source}: capture indices are not ascending: {m.capture.hidden_state_indices}")
@@ -290,7 +302,7 @@ def data_fingerprint(files: Sequence[tuple[str, str, int | None]]) -> dict:
 def shard_identity(manifest: "DumpManifest", plan_sha256: str | None = None) -> dict:
     """The metadata every shard of this dump must carry (less SHARD_INDEX, which differs per shard). Without
     plan_sha256 (a reader: the manifest does not record the plan) that key is left out."""
-    ident = {"format": DUMP_FORMAT, "format_version": DUMP_FORMAT_VERSION,
+    ident = {"format": DUMP_FORMAT, "format_version": manifest.format_version,
              "hidden_state_indices": list(manifest.capture.hidden_state_indices),
              "target_config_sha256": manifest.target.config_sha256, **manifest.identity(),
              "dtype": manifest.dtype, STORAGE: manifest.storage,

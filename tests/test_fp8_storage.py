@@ -151,8 +151,25 @@ def test_manifest_claiming_another_storage_is_refused(fp8_dump, tmp_path):
     d = str(tmp_path / "edited")
     shutil.copytree(fp8_dump, d)
     edit_json(os.path.join(d, C.MANIFEST_FILE), lambda m: m.update(storage="dtype"))
+    with pytest.raises(C.ContractError, match=r"format version 2 with storage 'dtype'.*malformed"):
+        DumpSet(d, verify=False)
+    edit_json(os.path.join(d, C.MANIFEST_FILE), lambda m: m.update(format_version=1))  # consistent, still a lie
     with pytest.raises(C.ContractError, match="scale tensors"):
         DumpSet(d, verify=False)
+
+
+def test_fp8_dumps_carry_a_format_version_that_readers_before_fp8_refuse(fp8_dump, tiny_dump):
+    """A reader from before fp8 storage accepted format version 1 only (and ignored the storage key): an fp8 dump
+    says version 2 in its manifest and in every shard, so such a reader refuses it instead of reading fp8 bytes as
+    states; dumps stored in their dtype stay version 1, readable by every eagle3."""
+    import json
+    from eagle3.dump.shards import read_shard_metadata
+    for d, version in ((fp8_dump, 2), (tiny_dump, 1)):
+        with open(os.path.join(d, C.MANIFEST_FILE)) as f:
+            raw = json.load(f)
+        assert raw["format_version"] == version == C.load_manifest(d).format_version
+        assert {read_shard_metadata(os.path.join(d, s["file"]))["format_version"] for s in raw["shards"]} == {version}
+    assert C.DUMP_FORMAT_VERSIONS == {"dtype": 1, "fp8": 2}
 
 
 def test_resume_with_another_storage_is_refused(tiny_targets, convs, tmp_path):
