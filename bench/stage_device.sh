@@ -4,12 +4,19 @@
 # `bash launch/install.sh`, then build .whl with ../shared/device/wheels.sh (EXTRA_WHEELS="transformers==5.24.0 gguf").
 # The assistant turns are replaced by a placeholder: the quickstart regenerates every one of them with the target
 # (their text is never read), and the human turns alone fit under the 64 MiB a call may carry.
+# ANSWERS=PREFIX (optional): a finished regeneration of that same file (PREFIX_regen_conversations.jsonl.gz and
+# PREFIX_regenerate.json, e.g. ANSWERS=bench/results/quality_i_h200) travels in .stage1 too, and `quality_device.sh run` resumes from it instead of
+# regenerating (6 of the ~18 minutes on the H200).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 for d in .stage1 .stage2; do grep -qxF "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude; done
 rm -rf .stage1 .stage2 && mkdir -p .stage1 .stage2
 gguf=$(python3 -c "from eagle3.dump.example import gguf_path; print(gguf_path())")
 split -b 60M "$gguf" .stage2/gguf_part_ && mv .stage2/gguf_part_aa .stage1/
+if [ -n "${ANSWERS:-}" ]; then
+  cp "$ANSWERS"_regen_conversations.jsonl.gz .stage1/regen_conversations.jsonl.gz
+  cp "$ANSWERS"_regenerate.json .stage1/regenerate.json
+fi
 sha256sum "$gguf" | cut -d' ' -f1 > .stage2/gguf.sha256
 python3 - <<'PY'
 import gzip, json

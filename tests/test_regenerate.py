@@ -251,6 +251,15 @@ def test_resume_after_a_kill_is_byte_identical(word_target, chats, tmp_path, tem
     # a rerun of a finished OUT does nothing and changes nothing
     assert regen(chats, tmp_path / "cut", word_target, **kw)["this_run"]["conversations"] == 0
     assert file_bytes(tmp_path / "cut") == file_bytes(tmp_path / "full")
+    # what bench/quality_device.sh carries to another machine, conversations.jsonl and regenerate.json alone, is a
+    # finished OUT there: nothing is generated again and the answers stay as they are
+    import shutil
+    (tmp_path / "carried").mkdir()
+    for name in (CONVERSATIONS, RECORD_FILE):
+        shutil.copy(tmp_path / "full" / name, tmp_path / "carried" / name)
+    carried = regen(chats, tmp_path / "carried", word_target, **kw)
+    assert carried["this_run"]["conversations"] == 0 and carried["counts"] == full["counts"]
+    assert file_bytes(tmp_path / "carried")[CONVERSATIONS] == file_bytes(tmp_path / "full")[CONVERSATIONS]
     if temperature:  # sampling really samples: another seed writes other answers
         other = regen(chats, tmp_path / "seed8", word_target, **dict(kw, seed=8))
         assert file_bytes(tmp_path / "seed8")[CONVERSATIONS] != file_bytes(tmp_path / "full")[CONVERSATIONS]
