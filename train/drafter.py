@@ -245,8 +245,11 @@ class Eagle3MidLayer(nn.Module):
 
 
 def attention_causal_plus_diagonal(q, k0, v0, diag_k: Sequence[torch.Tensor], diag_v: Sequence[torch.Tensor],
-                                   scale: float) -> torch.Tensor:
+                                   scale: float, prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+                                   ) -> torch.Tensor:
     """softmax attention of query t over {k0[s] : s <= t} U {diag_k[i][t] : all i}, without a [T, (1+j)T] mask.
+    prefix (k, v) [B, nkv, P, d]: keys every query sees besides those (sequence parallel: the step-0 keys of the
+    positions before this rank's chunk); their mass is merged through the same sink key as the diagonal's.
 
     q [B, nh, T, d]; k0, v0, diag_k[i], diag_v[i] [B, nkv, T, d] (nh a multiple of nkv). Returns [B, nh, T, d].
 
@@ -266,11 +269,21 @@ def attention_causal_plus_diagonal(q, k0, v0, diag_k: Sequence[torch.Tensor], di
     dtype = q.dtype
     acc = torch.promote_types(dtype, torch.float32)
 
-    dk = repeat_kv(torch.stack(list(diag_k), dim=2), n_rep)  # [B, nh, j, T, d]
-    dv = repeat_kv(torch.stack(list(diag_v), dim=2), n_rep)
-    s = torch.einsum("bhtd,bhitd->bhit", q.to(acc), dk.to(acc)) * scale  # [B, nh, j, T]
-    lse_d = torch.logsumexp(s, dim=2)  # [B, nh, T]
-    o_d = torch.einsum("bhit,bhitd->bhtd", torch.softmax(s, dim=2), dv.to(acc))  # [B, nh, T, d]
+    parts = []  # (lse [B, nh, T], out [B, nh, T, d]) of every key set outside the causal block
+    if len(diag_k):
+        dk = repeat_kv(torch.stack(list(diag_k), dim=2), n_rep)  # [B, nh, j, T, d]
+        dv = repeat_kv(torch.stack(list(diag_v), dim=2), n_rep)
+        s = torch.einsum("bhtd,bhitd->bhit", q.to(acc), dk.to(acc)) * scale  # [B, nh, j, T]
+        parts.append((torch.logsumexp(s, dim=2), torch.einsum("bhit,bhitd->bhtd", torch.softmax(s, dim=2), dv.to(acc))))
+    if prefix is not None and prefix[0].shape[2] > 0:
+        s = torch.einsum("bhtd,bhpd->bhtp", q.to(acc), repeat_kv(prefix[0], n_rep).to(acc)) * scale  # [B, nh, T, P]
+        parts.append((torch.logsumexp(s, dim=-1),
+                      torch.einsum("bhtp,bhpd->bhtd", torch.softmax(s, dim=-1), repeat_kv(prefix[1], n_rep).to(acc))))
+    if not parts:
+        return F.scaled_dot_product_attention(q, repeat_kv(k0, n_rep), repeat_kv(v0, n_rep), is_causal=True,
+                                              scale=scale)
+    lse_d = torch.logsumexp(torch.stack([lse for lse, _ in parts]), dim=0)  # [B, nh, T]
+    o_d = sum(torch.exp(lse - lse_d).unsqueeze(-1) * o for lse, o in parts)  # [B, nh, T, d]
 
     pad = 8  # extra head dims (keeps d + pad a multiple of 8 when d is)
     a = lse_d / scale
@@ -417,7 +430,8 @@ class Eagle3Drafter(nn.Module):
 
     def ttt_forward(self, hidden_state: torch.Tensor, input_ids: torch.Tensor,
                     attention_mask: torch.Tensor | None = None, steps: int = 7,
-                    position_ids: torch.Tensor | None = None, fast: bool = False) -> list[torch.Tensor]:
+                    position_ids: torch.Tensor | None = None, fast: bool = False,
+                    prefix_kv=None) -> list[torch.Tensor]:
         """Unroll `steps` draft steps over whole sequences (docs/contract.md §9).
         Returns [m_0, ..., m_{K-1}], each [B, T, H].
 
@@ -429,6 +443,10 @@ class Eagle3Drafter(nn.Module):
         finite but meaningless (the loss masks them).
         fast: the same function through train/kernels.py (flash attention + log-sum-exp merge, lean norms, the
         embedding half of q/k/v projected once for all steps). It reads weights directly, so not under ZeRO-3.
+        prefix_kv: sequence parallel (train/sequence_parallel.py): a function of this chunk's step-0 keys and
+        values (k0, v0) [B, nkv, T, d] returning (k0, v0, (k, v) of every position before the chunk, which all its
+        queries also attend to); input_ids then starts at position_ids[:, 0] and carries the next chunk's first
+        tokens.
         """
         if steps < 1:
             raise ValueError("steps must be >= 1")
@@ -443,6 +461,8 @@ class Eagle3Drafter(nn.Module):
             from eagle3.train.kernels import flash_supported
             # fp32 training or an odd head_dim on a GPU: the plain path (same function) instead of a kernel error
             fast = flash_supported(input_ids.device, self.dtype, self.config.head_dim)
+        if fast and prefix_kv is not None:
+            raise ValueError("sequence parallel runs the plain path (its attention is not in train/kernels.py yet)")
         if fast:
             return self._ttt_fast(hidden_state, input_ids, position_ids, steps)
         attn = self.midlayer.self_attn
@@ -459,13 +479,11 @@ class Eagle3Drafter(nn.Module):
             cos, sin = self.rope_cos_sin(position_ids + j, x.dtype)
             q, k, v = attn.qkv(x, cos, sin)
             if j == 0:
-                k0, v0 = k, v
-                o = F.scaled_dot_product_attention(q, repeat_kv(k, attn.n_rep), repeat_kv(v, attn.n_rep),
-                                                   is_causal=True, scale=attn.scale)
+                k0, v0, prefix = prefix_kv(k, v) if prefix_kv is not None else (k, v, None)
             else:
                 diag_k.append(k)
                 diag_v.append(v)
-                o = attention_causal_plus_diagonal(q, k0, v0, diag_k, diag_v, attn.scale)
+            o = attention_causal_plus_diagonal(q, k0, v0, diag_k, diag_v, attn.scale, prefix)
             if self.checkpointing != "none" and torch.is_grad_enabled():
                 # Recompute the MLP (its [T, intermediate] activations dominate memory) in backward.
                 m = torch.utils.checkpoint.checkpoint(self.midlayer.finish, attn.out(o), h, use_reentrant=False)
@@ -527,5 +545,5 @@ class Eagle3Drafter(nn.Module):
         return outs
 
     def forward(self, hidden_state, input_ids, attention_mask=None, steps: int = 7, position_ids=None,
-                fast: bool = False):
-        return self.ttt_forward(hidden_state, input_ids, attention_mask, steps, position_ids, fast)
+                fast: bool = False, prefix_kv=None):
+        return self.ttt_forward(hidden_state, input_ids, attention_mask, steps, position_ids, fast, prefix_kv)

@@ -128,13 +128,18 @@ def _soft_ce(drafter, m: torch.Tensor, p: torch.Tensor, tgt: torch.Tensor, chunk
 def eagle3_loss(drafter, step_outputs: Sequence[torch.Tensor], target_hidden: torch.Tensor,
                 lm_head_weight: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, decay: float = 0.8,
-                chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+                chunk_tokens: int = DEFAULT_CHUNK_TOKENS, queries: int | None = None, reduce_counts=None):
     """The EAGLE-3 TTT loss.
 
     drafter: has draft_logits(m) and buffer t2d; step_outputs: [m_0..m_{K-1}] each [B, T, H] (ttt_forward);
     target_hidden [B, T, Ht] (post-final-norm); lm_head_weight [V, Ht] (target's); input_ids [B, T] (only shapes
     are used: the teacher is the target's distribution, not the one-hot data token); loss_mask [B, T] (1 at tokens to
     learn to predict); attention_mask [B, T] (None = all real).
+
+    Sequence parallel (train/sequence_parallel.py) passes a window of the sequence: `queries`, the positions t of
+    this rank's own chunk (only pairs with t < queries count; the rest of the window is the next chunk's first
+    tokens, which those pairs read), and `reduce_counts`, which sums the per-step counts over the ranks so that each
+    rank's share of the loss is divided by the whole sequence's count.
 
     Returns (loss, metrics). loss = sum_j decay^j * ce_sum_j / max(count_j, 1) (a local mean per step).
     metrics (all detached, float64, on the loss device):
@@ -161,8 +166,7 @@ def eagle3_loss(drafter, step_outputs: Sequence[torch.Tensor], target_hidden: to
     valid_u[flat] = in_vocab
     valid_u = valid_u.view(B, T)
 
-    total = None
-    ce_sums, corrects, counts = [], [], []
+    ces, corrects, counts = [], [], []
     for j, m in enumerate(step_outputs):
         if m.shape[:2] != (B, T):
             raise ValueError(f"step output {j} has shape {tuple(m.shape)}, expected [{B}, {T}, H]")
@@ -170,19 +174,21 @@ def eagle3_loss(drafter, step_outputs: Sequence[torch.Tensor], target_hidden: to
         sel = torch.zeros(B, T, dtype=torch.bool, device=dev)
         if 1 + j < T:
             sel[:, : T - 1 - j] = valid_u[:, 1 + j:]
+        if queries is not None:
+            sel[:, queries:] = False
         idx = sel.reshape(-1).nonzero().squeeze(-1)
         b_idx, t_idx = idx // T, idx % T
         rows = row_of[b_idx, t_idx + 1 + j]
         mj = m.reshape(B * T, -1).index_select(0, idx)
         ce, correct = _soft_ce(drafter, mj, p_t.index_select(0, rows), argmax_d.index_select(0, rows), chunk_tokens)
-        n = idx.numel()
-        step_loss = ce / max(n, 1)
-        total = step_loss * (decay ** j) if total is None else total + step_loss * (decay ** j)
-        ce_sums.append(ce.detach().to(torch.float64))
+        ces.append(ce)
         corrects.append(torch.as_tensor(correct, device=dev).to(torch.float64))
-        counts.append(torch.tensor(float(n), dtype=torch.float64, device=dev))
+        counts.append(torch.tensor(float(idx.numel()), dtype=torch.float64, device=dev))
 
-    ce_sum, correct, count = torch.stack(ce_sums), torch.stack(corrects), torch.stack(counts)
+    count = torch.stack(counts)
+    denom = (reduce_counts(count) if reduce_counts is not None else count).clamp(min=1)
+    total = sum(ce / denom[j].to(ce.dtype) * (decay ** j) for j, ce in enumerate(ces))
+    ce_sum, correct = torch.stack([ce.detach().to(torch.float64) for ce in ces]), torch.stack(corrects)
     metrics = {"ce_sum": ce_sum, "correct": correct, "count": count}
     metrics.update(summarize(ce_sum, correct, count))
     return total, metrics

@@ -1,0 +1,94 @@
+"""Sequence parallelism (train/sequence_parallel.py): one sample split over 2 and 3 gloo processes gives the unsplit
+step's loss and gradients, in float64."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from eagle3.train.loss import eagle3_loss
+from eagle3.train.sequence_parallel import chunk_of, halo, sequence_parallel_loss
+
+from test_drafter import make_drafter
+
+T, K, DECAY, CHUNK = 37, 4, 0.8, 8   # CHUNK < tokens per rank: the chunked soft cross-entropy is exercised too
+
+
+def sample(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    d = make_drafter()
+    Ht, V = d.config.target_hidden_size, d.config.vocab_size
+    loss_mask = (torch.rand(1, T, generator=g) > 0.3).long()
+    loss_mask[0, :5] = 0                          # a prompt
+    return {"hidden_state": torch.randn(1, T, 3 * Ht, generator=g, dtype=torch.float64),
+            "input_ids": torch.randint(0, V, (1, T), generator=g),
+            "loss_mask": loss_mask,
+            "target_hidden": torch.randn(1, T, Ht, generator=g, dtype=torch.float64),
+            "lm_head": torch.randn(V, Ht, generator=g, dtype=torch.float64)}
+
+
+def unsplit():
+    s, d = sample(), make_drafter()
+    outs = d.ttt_forward(s["hidden_state"], s["input_ids"], None, K)
+    loss, m = eagle3_loss(d, outs, s["target_hidden"], s["lm_head"], s["input_ids"], s["loss_mask"], None,
+                          decay=DECAY, chunk_tokens=CHUNK)
+    loss.backward()
+    grads = {n: p.grad for n, p in d.named_parameters() if p.requires_grad}
+    return loss.detach(), m, grads
+
+
+def _worker(rank, size, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        s, d = sample(), make_drafter()
+        loss, m = sequence_parallel_loss(d, s["lm_head"], s["hidden_state"], s["input_ids"], s["loss_mask"],
+                                         s["target_hidden"], steps=K, decay=DECAY, chunk_tokens=CHUNK)
+        loss.backward()
+        res = {f"grad.{n}": p.grad for n, p in d.named_parameters() if p.requires_grad}
+        res.update(loss=loss.detach().reshape(1), ce_sum=m["ce_sum"], correct=m["correct"], count=m["count"])
+        for v in res.values():                    # the group's sums: what the trainer's all-reduce would pool
+            dist.all_reduce(v)
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in res.items()}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _port():
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
+
+
+def test_chunks_cover_the_sequence_and_their_halos_reach_every_label():
+    for length, size in ((37, 2), (37, 3), (8, 8), (131072, 8)):
+        chunks = [chunk_of(length, size, r, K) for r in range(size)]
+        assert [c.start for c in chunks] == [0] + [c.end for c in chunks[:-1]] and chunks[-1].end == length
+        assert max(c.end - c.start for c in chunks) - min(c.end - c.start for c in chunks) <= 1
+        for c in chunks:  # the last pair of a chunk (t = end - 1, j = K - 1) reads its label at t + K + 1
+            assert c.window_end == min(c.end - 1 + K + 1 + 1, length) == min(c.end + halo(K), length)
+    with pytest.raises(ValueError, match="cannot be split"):
+        chunk_of(3, 4, 0, K)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_split_step_equals_the_unsplit_step(size, tmp_path):
+    ref_loss, ref_m, ref_grads = unsplit()
+    out = str(tmp_path / "sp.safetensors")
+    mp.spawn(_worker, args=(size, _port(), out), nprocs=size, join=True)
+    got = load_file(out)
+    torch.testing.assert_close(got["loss"][0], ref_loss, rtol=1e-12, atol=1e-12)
+    assert torch.equal(got["count"], ref_m["count"]) and ref_m["count"].min() > 0
+    assert torch.equal(got["correct"], ref_m["correct"])
+    torch.testing.assert_close(got["ce_sum"], ref_m["ce_sum"], rtol=1e-12, atol=1e-12)
+    assert set(ref_grads) == {k.removeprefix("grad.") for k in got if k.startswith("grad.")}
+    for n, g in ref_grads.items():
+        assert g.abs().max() > 0, n
+        torch.testing.assert_close(got[f"grad.{n}"], g, rtol=1e-10, atol=1e-12, msg=n)

@@ -1,0 +1,121 @@
+"""Sequence parallelism for one long sample: its positions split into contiguous chunks over a group of ranks.
+
+Why it works for the EAGLE-3 training step (docs/contract.md §9): everything in the TTT unroll is position-wise
+except two things.
+- Attention. Step j's query at position t sees the step-0 keys at positions <= t and the step-1..j keys at t
+  itself. The diagonal keys are local; the step-0 keys of earlier chunks are all-gathered once per step
+  (`prefix_kv`), and each query merges their softmax mass with its own chunk's (train/drafter.py
+  attention_causal_plus_diagonal, `prefix`). Backward sums, over the ranks, the gradient every rank's queries put
+  on a chunk's keys (`_GatherChunks`).
+- Look-ahead. Step j at t reads token t+1+j and is taught at u = t+1+j about p = t+2+j, so a chunk's window carries
+  the next K+1 positions of the sequence too (`halo`); pairs whose t falls there belong to the next chunk and are
+  left out of this rank's loss (eagle3_loss `queries`).
+The loss is each rank's sum over its own pairs divided by the whole sequence's count per step, so the ranks' losses
+add up to the unsplit loss, and so do their gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """This rank's positions [start, end) of a sequence of `length`, and its window [start, window_end): the chunk
+    plus the halo that its pairs read."""
+    start: int
+    end: int
+    window_end: int
+    length: int
+
+
+def halo(ttt_steps: int) -> int:
+    """Positions past a chunk that its pairs read: tokens up to t+K (step K-1 reads t+1+j), labels up to t+K+1."""
+    return ttt_steps + 1
+
+
+def chunk_of(length: int, size: int, rank: int, ttt_steps: int) -> Chunk:
+    """Rank `rank` of `size`: contiguous, as equal as possible (the first length % size chunks one longer)."""
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} of a sequence-parallel group of {size}")
+    if length < size:
+        raise ValueError(f"a sequence of {length} tokens cannot be split over {size} ranks")
+    base, extra = divmod(length, size)
+    start = rank * base + min(rank, extra)
+    end = start + base + (rank < extra)
+    return Chunk(start, end, min(end + halo(ttt_steps), length), length)
+
+
+class _GatherChunks(torch.autograd.Function):
+    """All ranks' [B, h, n_r, d] chunks (lengths may differ) -> the list of them, on every rank. Backward: every
+    rank's gradient for every chunk is summed (all-reduce, which gloo has too) and each rank keeps its own."""
+
+    @staticmethod
+    def forward(ctx, x, lengths: tuple[int, ...], group):
+        ctx.group, ctx.lengths, ctx.rank = group, lengths, dist.get_rank(group)
+        n = max(lengths)
+        padded = torch.nn.functional.pad(x, (0, 0, 0, n - x.shape[2])).contiguous()
+        out = [torch.empty_like(padded) for _ in lengths]
+        dist.all_gather(out, padded, group=group)
+        return tuple(o[:, :, :m] for o, m in zip(out, lengths))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n = max(ctx.lengths)
+        g = torch.stack([torch.nn.functional.pad(gr, (0, 0, 0, n - gr.shape[2])) for gr in grads])
+        dist.all_reduce(g, group=ctx.group)
+        return g[ctx.rank][:, :, :ctx.lengths[ctx.rank]], None, None
+
+
+def prefix_kv(chunk: Chunk, size: int, group=None):
+    """The drafter's `prefix_kv` hook for this rank: (k0, v0) of its window -> (k0, v0, (k_prefix, v_prefix)), the
+    prefix being the step-0 keys and values of every earlier chunk. One collective per forward, whose output every
+    rank also uses for its own chunk's keys (the same values): so every rank's backward meets it exactly once and
+    the all-reduces pair up, rank 0 (no prefix) included. The halo's keys stay local (only halo queries see them)."""
+    lengths = tuple(c.end - c.start for c in (chunk_of(chunk.length, size, r, 0) for r in range(size)))
+    rank, own = dist.get_rank(group), chunk.end - chunk.start
+
+    def gather(k0: torch.Tensor, v0: torch.Tensor):
+        d = k0.shape[-1]
+        kv = _GatherChunks.apply(torch.cat([k0[:, :, :own], v0[:, :, :own]], dim=-1), lengths, group)
+        mine = kv[rank]
+        k0 = torch.cat([mine[..., :d], k0[:, :, own:]], dim=2)
+        v0 = torch.cat([mine[..., d:], v0[:, :, own:]], dim=2)
+        before = torch.cat(kv[:rank], dim=2) if rank else mine[:, :, :0]
+        return k0, v0, (before[..., :d], before[..., d:])
+    return gather
+
+
+def sum_over_group(group=None):
+    """eagle3_loss `reduce_counts`: per-step pair counts summed over the sequence-parallel group (no gradient)."""
+    def reduce(count: torch.Tensor) -> torch.Tensor:
+        count = count.detach().clone()
+        dist.all_reduce(count, group=group)
+        return count
+    return reduce
+
+
+def window(x: torch.Tensor | None, chunk: Chunk) -> torch.Tensor | None:
+    """[B, T, ...] -> this rank's window [B, window_end - start, ...]."""
+    return None if x is None else x[:, chunk.start:chunk.window_end]
+
+
+def sequence_parallel_loss(drafter, target_lm_head: torch.Tensor, hidden_state, input_ids, loss_mask,
+                           target_hidden, *, steps: int, decay: float, chunk_tokens: int, group=None):
+    """This rank's share of the EAGLE-3 loss of one sequence (B = 1 or equal-length rows, no padding), split over
+    `group`: (loss, metrics) as eagle3_loss returns them, the loss summing over the group to the unsplit one and
+    the metrics this rank's own pairs (all-reduce ce_sum / correct / count to pool them)."""
+    from eagle3.train.loss import eagle3_loss
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    B, T = input_ids.shape
+    chunk = chunk_of(T, size, rank, steps)
+    ids = window(input_ids, chunk)
+    positions = torch.arange(chunk.start, chunk.window_end, device=ids.device).expand(B, -1)
+    outs = drafter.ttt_forward(window(hidden_state, chunk), ids, None, steps, positions, fast=False,
+                               prefix_kv=prefix_kv(chunk, size, group))
+    return eagle3_loss(drafter, outs, window(target_hidden, chunk), target_lm_head, ids, window(loss_mask, chunk),
+                       None, decay=decay, chunk_tokens=chunk_tokens, queries=chunk.end - chunk.start,
+                       reduce_counts=sum_over_group(group))
