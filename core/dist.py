@@ -57,6 +57,16 @@ def init_world(device: str | None = None) -> World:
     return World(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
 
 
+def sequence_parallel_group(world: World, size: int):
+    """This rank's group of `size` consecutive ranks that split each batch's positions (None for size 1). Every
+    rank creates every group (torch.distributed.new_group is collective) and keeps its own: a communicator apart from
+    the world's, so its collectives never interleave with DeepSpeed's gradient reduction."""
+    if size == 1:
+        return None
+    groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(world.world_size // size)]
+    return groups[world.rank // size]
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

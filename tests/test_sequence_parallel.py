@@ -92,3 +92,27 @@ def test_split_step_equals_the_unsplit_step(size, tmp_path):
     for n, g in ref_grads.items():
         assert g.abs().max() > 0, n
         torch.testing.assert_close(got[f"grad.{n}"], g, rtol=1e-10, atol=1e-12, msg=n)
+
+
+@pytest.mark.slow
+def test_training_with_sequence_parallel_2_equals_one_process(tiny_dump, tiny_targets, tmp_path):
+    """`deepspeed --num_gpus 2 -m eagle3.train --sequence-parallel 2`: both ranks split every batch (one data-parallel
+    group), and the run's losses, held-out evaluation and weights are those of one process training unsplit."""
+    from test_train import launch, metrics
+    args = ("--zero-stage", "2", "--max-steps", 4, "--save-interval", 4, "--no-fast-path")
+    launch(1, tiny_dump, tiny_targets["llama"], tmp_path / "one", *args)
+    launch(2, tiny_dump, tiny_targets["llama"], tmp_path / "sp2", *args, "--sequence-parallel", 2)
+    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "sp2")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5) and rb["tokens"] == ra["tokens"]
+        assert rb["acc_j"] == pytest.approx(ra["acc_j"], abs=1e-12)
+    ea, eb = metrics(tmp_path / "one", "eval"), metrics(tmp_path / "sp2", "eval")
+    assert ea and [r["step"] for r in eb] == [r["step"] for r in ea]
+    for ra, rb in zip(ea, eb):
+        assert rb["rounds"] == ra["rounds"] and rb["decode_accept_len"] == pytest.approx(ra["decode_accept_len"])
+        assert rb["acc_j"] == pytest.approx(ra["acc_j"], abs=1e-12)
+    wa = load_file(str(tmp_path / "one" / "checkpoints" / "step00000004" / "drafter.safetensors"))
+    wb = load_file(str(tmp_path / "sp2" / "checkpoints" / "step00000004" / "drafter.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=1e-5, rtol=1e-4, msg=k)

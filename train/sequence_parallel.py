@@ -103,19 +103,45 @@ def window(x: torch.Tensor | None, chunk: Chunk) -> torch.Tensor | None:
     return None if x is None else x[:, chunk.start:chunk.window_end]
 
 
+def gather_owned(x: torch.Tensor, chunk: Chunk, size: int, group=None) -> torch.Tensor:
+    """Every rank's own positions of a [B, W, ...] window tensor (no gradient) -> the whole [B, T, ...] on each."""
+    lengths = [c.end - c.start for c in (chunk_of(chunk.length, size, r, 0) for r in range(size))]
+    own = x[:, :chunk.end - chunk.start]
+    pad = torch.zeros(own.shape[0], max(lengths) - own.shape[1], *own.shape[2:], dtype=own.dtype, device=own.device)
+    out = [torch.empty_like(torch.cat([own, pad], 1)) for _ in lengths]
+    dist.all_gather(out, torch.cat([own, pad], 1).contiguous(), group=group)
+    return torch.cat([o[:, :n] for o, n in zip(out, lengths)], dim=1)
+
+
 def sequence_parallel_loss(drafter, target_lm_head: torch.Tensor, hidden_state, input_ids, loss_mask,
-                           target_hidden, *, steps: int, decay: float, chunk_tokens: int, group=None):
-    """This rank's share of the EAGLE-3 loss of one sequence (B = 1 or equal-length rows, no padding), split over
-    `group`: (loss, metrics) as eagle3_loss returns them, the loss summing over the group to the unsplit one and
-    the metrics this rank's own pairs (all-reduce ce_sum / correct / count to pool them)."""
+                           target_hidden, *, steps: int, decay: float, chunk_tokens: int, attention_mask=None,
+                           group=None, target_argmax=None, with_hits: bool = False):
+    """This rank's share of the EAGLE-3 loss of a batch whose positions are split over `group` (right padding
+    allowed): (loss, metrics) as eagle3_loss returns them, the loss summing over the group to the unsplit one and
+    the metrics this rank's own pairs (all-reduce ce_sum / correct / count to pool them). with_hits (held-out
+    evaluation, no grad): also the whole batch's [B, T, K] draft hits (acceptance.draft_hits), on every rank;
+    target_argmax [B, T] is then the target's full-vocab argmax (None: from its head)."""
     from eagle3.train.loss import eagle3_loss
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     B, T = input_ids.shape
     chunk = chunk_of(T, size, rank, steps)
     ids = window(input_ids, chunk)
     positions = torch.arange(chunk.start, chunk.window_end, device=ids.device).expand(B, -1)
-    outs = drafter.ttt_forward(window(hidden_state, chunk), ids, None, steps, positions, fast=False,
+    mask = window(attention_mask, chunk)
+    outs = drafter.ttt_forward(window(hidden_state, chunk), ids, mask, steps, positions, fast=False,
                                prefix_kv=prefix_kv(chunk, size, group))
-    return eagle3_loss(drafter, outs, window(target_hidden, chunk), target_lm_head, ids, window(loss_mask, chunk),
-                       None, decay=decay, chunk_tokens=chunk_tokens, queries=chunk.end - chunk.start,
-                       reduce_counts=sum_over_group(group))
+    th = window(target_hidden, chunk)
+    loss, m = eagle3_loss(drafter, outs, th, target_lm_head, ids, window(loss_mask, chunk), mask, decay=decay,
+                          chunk_tokens=chunk_tokens, queries=chunk.end - chunk.start,
+                          reduce_counts=sum_over_group(group))
+    if not with_hits:
+        return loss, m
+    from eagle3.train.acceptance import draft_hits
+    if target_argmax is None:
+        w = target_lm_head
+        flat = th.reshape(-1, th.shape[-1])
+        targ = torch.cat([(flat[s:s + chunk_tokens].to(w.dtype) @ w.T).argmax(-1)
+                          for s in range(0, flat.shape[0], chunk_tokens)]).view(th.shape[:-1])
+    else:
+        targ = window(target_argmax, chunk)
+    return loss, m, gather_owned(draft_hits(drafter, outs, targ.long(), chunk_tokens), chunk, size, group)

@@ -54,7 +54,8 @@ class DrafterTrainStep(nn.Module):
         super().__init__()
         self.drafter = drafter
         self.steps, self.decay, self.chunk = cfg.ttt_steps, cfg.step_decay, cfg.teacher_chunk_tokens
-        self.fast = bool(cfg.fast_path) and cfg.zero_stage < 3
+        self.fast = bool(cfg.fast_path) and cfg.zero_stage < 3 and cfg.sequence_parallel == 1
+        self.sp_group = None  # sequence parallel: this rank's group (set by train())
         kernels.set_cuda_attention_kernel(cfg.attention_kernel)
         if not self.fast and cfg.activation_checkpointing == "step":
             raise ValueError("--activation-checkpointing step needs the fast path (--fast-path, ZeRO 0-2); "
@@ -76,6 +77,14 @@ class DrafterTrainStep(nn.Module):
         """(loss, stats [3, K]); with_hits (held-out evaluation, no grad) also the [B, T, K] draft hits that
         acceptance.walk replays as decoding would."""
         from eagle3.train.loss import eagle3_loss, eagle3_loss_fused
+        if self.sp_group is not None:  # this rank's chunk of every row (train/sequence_parallel.py)
+            from eagle3.train.sequence_parallel import sequence_parallel_loss
+            r = sequence_parallel_loss(self.drafter, self.target_lm_head, hidden_state, input_ids, loss_mask,
+                                       target_hidden, steps=self.steps, decay=self.decay, chunk_tokens=self.chunk,
+                                       attention_mask=attention_mask, group=self.sp_group,
+                                       target_argmax=target_argmax, with_hits=with_hits)
+            stats = torch.stack([r[1]["ce_sum"], r[1]["correct"], r[1]["count"]])
+            return (r[0], stats, r[2]) if with_hits else (r[0], stats)
         outs = self.drafter(hidden_state, input_ids, attention_mask, steps=self.steps, fast=self.fast)
         if with_hits:
             from eagle3.train.acceptance import draft_hits
@@ -458,7 +467,13 @@ def train(cfg: TrainConfig) -> dict:
         raise ValueError("no training samples after the held-out split")
 
     data_sha = data_sha256(dumps)
-    plan = BatchPlan([r.length for r in train_refs], cfg.token_budget, cfg.seed, world.rank, world.world_size)
+    # Sequence parallel: groups of `sp` consecutive ranks split each batch's positions; the data is dealt to groups.
+    sp = cfg.sequence_parallel
+    if sp < 1 or world.world_size % sp:
+        raise ValueError(f"--sequence-parallel {sp}: the world size ({world.world_size}) must be a multiple of it")
+    sp_group = D.sequence_parallel_group(world, sp)
+    dp_rank, dp_size = world.rank // sp, world.world_size // sp
+    plan = BatchPlan([r.length for r in train_refs], cfg.token_budget, cfg.seed, dp_rank, dp_size)
     steps_per_epoch = len(plan.epoch(0))
     total = cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
     total -= total % cfg.grad_accum
@@ -544,6 +559,7 @@ def train(cfg: TrainConfig) -> dict:
         drafter.load_target_head(head.float(), load_final_norm(cfg.target).float())
     drafter.activation_checkpointing = cfg.activation_checkpointing
     model = DrafterTrainStep(drafter, head.float(), cfg)
+    model.sp_group = sp_group
     old_resumes = RunRecord.read(run_path).resumes if resume_tag and world.is_main else []
     run_record = RunRecord(identity=manifest.identity(), capture=manifest.capture, target=manifest.target,
                            standardize=C.STANDARDIZE_VERSION, vocab=VOCAB_FILE, vocab_meta=vocab["meta"],
@@ -582,7 +598,8 @@ def train(cfg: TrainConfig) -> dict:
     n_params = sum(p.numel() for p in trainable)
     log(f"[train] drafter {n_params / 1e6:.1f}M trainable params, draft vocab {dcfg.draft_vocab_size}, "
         f"capture HF {manifest.capture.hidden_state_indices}; {len(train_refs)} train / {len(held_refs)} held-out "
-        f"samples; {total} micro-steps ({steps_per_epoch}/epoch/rank), world {world.world_size}, ZeRO "
+        f"samples; {total} micro-steps ({steps_per_epoch}/epoch/rank), world {world.world_size}"
+        + (f" (sequence parallel {sp})" if sp > 1 else "") + ", ZeRO "
         f"{cfg.zero_stage}, bf16 {cfg.bf16}")
 
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
@@ -603,8 +620,8 @@ def train(cfg: TrainConfig) -> dict:
         """Held-out: teacher-forced acc_j as in training, and the decoding replay (acceptance.walk): what greedy
         chain drafting with `accept_k` steps accepts on these (target-written) answers."""
         from eagle3.train.acceptance import ChainStats, walk
-        eval_plan = BatchPlan([r.length for r in held_refs], cfg.token_budget, cfg.seed, world.rank,
-                              world.world_size, shuffle=False)
+        eval_plan = BatchPlan([r.length for r in held_refs], cfg.token_budget, cfg.seed, dp_rank, dp_size,
+                              shuffle=False)
         stats = torch.zeros(3, cfg.ttt_steps, dtype=torch.float64, device=device)
         chain = ChainStats(accept_k)
         engine.eval()
@@ -614,7 +631,8 @@ def train(cfg: TrainConfig) -> dict:
                 b = to_device(b)
                 _, s, hits = engine(*model_inputs(b), with_hits=True)
                 stats += s
-                walk(hits, b["loss_mask"], b["attention_mask"], accept_k, cfg.accept_max_new_tokens, stats=chain)
+                if world.rank % sp == 0:  # a sequence-parallel group holds the same hits on every rank: walk once
+                    walk(hits, b["loss_mask"], b["attention_mask"], accept_k, cfg.accept_max_new_tokens, stats=chain)
         engine.train()
         chain = ChainStats.from_tensor(all_reduce_sum(chain.as_tensor().to(device)).cpu(), accept_k)
         return {**pooled(all_reduce_sum(stats)), "decode_steps": accept_k, "rounds": chain.verify_steps,
@@ -633,19 +651,20 @@ def train(cfg: TrainConfig) -> dict:
     postfix: dict = {}
     for batch in loader:
         loss, stats = engine(*model_inputs(to_device(batch)))
-        engine.backward(loss)
+        # DeepSpeed averages gradients over every rank; a sequence-parallel group's shares add up to one batch's
+        engine.backward(loss * sp if sp > 1 else loss)
         engine.step()
         step += 1
         # pooled on the device between log lines: the step itself never waits for the host
         since += torch.cat([stats.reshape(-1), loss.detach().double().reshape(1)])
-        tokens_since += int(batch["attention_mask"].sum())
+        tokens_since += int(batch["attention_mask"].sum()) / sp  # a group's ranks count the same batch
         n_since += 1
         if step % cfg.log_interval == 0 or step == total:
             red = all_reduce_sum(torch.cat([since, torch.tensor([float(tokens_since)], dtype=torch.float64,
                                                                 device=device)]))
             dt = time.perf_counter() - t_last
             rec = {"step": step, "epoch": plan.position(step - 1)[0],
-                   "loss": float(red[-2]) / world.world_size / n_since,
+                   "loss": float(red[-2]) / dp_size / n_since,  # a group's loss shares add up to its batch's
                    **pooled(red[:-2].reshape(3, -1)), "tokens": int(red[-1]), "tok_s": float(red[-1]) / dt,
                    "lr": sched.get_last_lr()[0], "time": time.time()}
             metrics.write(rec)
