@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.train import kernels
+from eagle3.train.drafter import attention_causal_plus_diagonal
 from eagle3.train.loss import draft_index, eagle3_loss, eagle3_loss_fused
 
 from test_drafter import batch, make_drafter, ttt_reference
@@ -291,3 +292,65 @@ def test_flash_support_rules_send_unsupported_gpu_cases_to_the_plain_path():
     assert not kernels.flash_supported(cuda, torch.bfloat16, 12)     # head_dim not a multiple of 8
     assert not kernels.flash_supported(cuda, torch.bfloat16, 512)    # beyond the kernel's 256
     assert kernels.flash_supported(cpu, torch.float64, 12)
+
+
+def dense_attention_with_prefix(q, k0, v0, dk, dv, kp, vp, scale):
+    """softmax over [prefix keys, all visible | k0 causal | diagonal keys] with an explicit mask (the definition of
+    a sequence-parallel chunk's attention)."""
+    B, nh, T, d = q.shape
+    P, rep = kp.shape[2], nh // k0.shape[1]
+    keys = torch.cat([kp, k0, *dk], 2).repeat_interleave(rep, 1)
+    vals = torch.cat([vp, v0, *dv], 2).repeat_interleave(rep, 1)
+    allowed = torch.zeros(T, P + (len(dk) + 1) * T, dtype=torch.bool)
+    allowed[:, :P] = True
+    allowed[:, P:P + T] = torch.ones(T, T, dtype=torch.bool).tril()
+    for i in range(1, len(dk) + 1):
+        allowed[torch.arange(T), P + i * T + torch.arange(T)] = True
+    sc = (q @ keys.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    return torch.softmax(sc, -1) @ vals
+
+
+def _prefix_case(nkv, j, T, P, B=1, nh=4, d=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k0, v0, kp, vp = r(B, nh, T, d), r(B, nkv, T, d), r(B, nkv, T, d), r(B, nkv, P, d), r(B, nkv, P, d)
+    dk, dv = [r(B, nkv, T, d) for _ in range(j)], [r(B, nkv, T, d) for _ in range(j)]
+    return [q, k0, v0, *dk, *dv, kp, vp], d ** -0.5
+
+
+@pytest.mark.parametrize("nkv,j,P", [(4, 0, 9), (2, 3, 20), (1, 2, 1)])
+def test_causal_plus_diagonal_with_a_prefix_matches_dense_mask(nkv, j, P):
+    """Sequence parallel: the earlier chunks' keys merged into the fused kernel (CPU flash, float64) and into the plain
+    path, with gradients for every input, the prefix keys included."""
+    inputs, scale = _prefix_case(nkv, j, 11, P, B=2, seed=nkv + j)
+
+    def call(f, **kw):
+        return lambda q, k0, v0, *rest: f(q, k0, v0, rest[:j], rest[j:2 * j], scale, prefix=tuple(rest[2 * j:]), **kw)
+    ref, g_ref = grads_of(lambda q, k0, v0, *rest: dense_attention_with_prefix(q, k0, v0, rest[:j], rest[j:2 * j],
+                                                                               *rest[2 * j:], scale), inputs)
+    for f in (kernels.causal_plus_diagonal, attention_causal_plus_diagonal):
+        out, g = grads_of(call(f), inputs)
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+        for a, b in zip(g, g_ref):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+@needs_gpu
+@pytest.mark.parametrize("cuda_kernel", ["flash", "cudnn"], indirect=True)
+@pytest.mark.parametrize("j,T,P", [(0, 300, 300), (6, 1024, 2048)])
+def test_cuda_causal_plus_diagonal_with_a_prefix_matches_float64_dense(cuda_kernel, j, T, P):
+    """The same at the Kimi head shape in bf16 on each CUDA kernel (the prefix block always runs FA2)."""
+    if cuda_kernel == "cudnn" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN attention is picked only on sm90+")
+    inputs, scale = _prefix_case(64, j, T, P, nh=64, d=128, seed=j)
+    ref, g_ref = grads_of(lambda q, k0, v0, *rest: dense_attention_with_prefix(q, k0, v0, rest[:j], rest[j:2 * j],
+                                                                               *rest[2 * j:], scale), inputs)
+    xs = [x.to("cuda", torch.bfloat16).requires_grad_(True) for x in inputs]
+    out = kernels.causal_plus_diagonal(xs[0], xs[1], xs[2], xs[3:3 + j], xs[3 + j:3 + 2 * j], scale,
+                                       prefix=(xs[-2], xs[-1]))
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    (out.double() * g.cuda()).sum().backward()
+    rel = lambda a, b: float((a.double().cpu() - b).norm() / b.norm())  # noqa: E731
+    assert rel(out, ref) < 1e-2, rel(out, ref)
+    for x, gr in zip(xs, g_ref):
+        assert rel(x.grad, gr) < 2e-2, rel(x.grad, gr)

@@ -43,13 +43,14 @@ def unsplit():
     return loss.detach(), m, grads
 
 
-def _worker(rank, size, port, out):
+def _worker(rank, size, port, out, fast, checkpointing):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=size)
     try:
         s, d = sample(), make_drafter()
+        d.activation_checkpointing = checkpointing
         loss, m = sequence_parallel_loss(d, s["lm_head"], s["hidden_state"], s["input_ids"], s["loss_mask"],
-                                         s["target_hidden"], steps=K, decay=DECAY, chunk_tokens=CHUNK)
+                                         s["target_hidden"], steps=K, decay=DECAY, chunk_tokens=CHUNK, fast=fast)
         loss.backward()
         res = {f"grad.{n}": p.grad for n, p in d.named_parameters() if p.requires_grad}
         res.update(loss=loss.detach().reshape(1), ce_sum=m["ce_sum"], correct=m["correct"], count=m["count"])
@@ -78,11 +79,14 @@ def test_chunks_cover_the_sequence_and_their_halos_reach_every_label():
         chunk_of(3, 4, 0, K)
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_split_step_equals_the_unsplit_step(size, tmp_path):
+@pytest.mark.parametrize("size,fast,checkpointing", [(2, False, "none"), (3, False, "mlp"), (2, True, "none"),
+                                                     (3, True, "step")])
+def test_split_step_equals_the_unsplit_step(size, fast, checkpointing, tmp_path):
+    """The plain path and the fused kernels (train/kernels.py, CPU flash attention in float64), the latter also under
+    'step' checkpointing, whose recompute must not repeat the group's collective, against the plain unsplit step."""
     ref_loss, ref_m, ref_grads = unsplit()
     out = str(tmp_path / "sp.safetensors")
-    mp.spawn(_worker, args=(size, _port(), out), nprocs=size, join=True)
+    mp.spawn(_worker, args=(size, _port(), out, fast, checkpointing), nprocs=size, join=True)
     got = load_file(out)
     torch.testing.assert_close(got["loss"][0], ref_loss, rtol=1e-12, atol=1e-12)
     assert torch.equal(got["count"], ref_m["count"]) and ref_m["count"].min() > 0
@@ -95,11 +99,12 @@ def test_split_step_equals_the_unsplit_step(size, tmp_path):
 
 
 @pytest.mark.slow
-def test_training_with_sequence_parallel_2_equals_one_process(tiny_dump, tiny_targets, tmp_path):
+@pytest.mark.parametrize("path", ["--no-fast-path", "--fast-path"])
+def test_training_with_sequence_parallel_2_equals_one_process(tiny_dump, tiny_targets, tmp_path, path):
     """`deepspeed --num_gpus 2 -m eagle3.train --sequence-parallel 2`: both ranks split every batch (one data-parallel
     group), and the run's losses, held-out evaluation and weights are those of one process training unsplit."""
     from test_train import launch, metrics
-    args = ("--zero-stage", "2", "--max-steps", 4, "--save-interval", 4, "--no-fast-path")
+    args = ("--zero-stage", "2", "--max-steps", 4, "--save-interval", 4, path)
     launch(1, tiny_dump, tiny_targets["llama"], tmp_path / "one", *args)
     launch(2, tiny_dump, tiny_targets["llama"], tmp_path / "sp2", *args, "--sequence-parallel", 2)
     a, b = metrics(tmp_path / "one"), metrics(tmp_path / "sp2")

@@ -80,7 +80,7 @@ class TrainConfig:
     sequence_parallel: int = _opt(1, "ranks that split every batch's positions between them (contiguous chunks, "
                                      "train/sequence_parallel.py): for samples longer than one GPU holds. Groups of "
                                      "this many consecutive ranks share each batch (the world size must be a "
-                                     "multiple); --token-budget counts the whole batch. Runs the plain path")
+                                     "multiple); --token-budget counts the whole batch")
     attention_kernel: str = _opt("auto", "fast path CUDA attention: auto | cudnn | flash (train/kernels.py)")
     teacher_chunk_tokens: int = _opt(4096, "tokens per chunk of the teacher's lm_head (bounds its memory)")
     # ---- run control and logging

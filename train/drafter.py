@@ -461,10 +461,8 @@ class Eagle3Drafter(nn.Module):
             from eagle3.train.kernels import flash_supported
             # fp32 training or an odd head_dim on a GPU: the plain path (same function) instead of a kernel error
             fast = flash_supported(input_ids.device, self.dtype, self.config.head_dim)
-        if fast and prefix_kv is not None:
-            raise ValueError("sequence parallel runs the plain path (its attention is not in train/kernels.py yet)")
         if fast:
-            return self._ttt_fast(hidden_state, input_ids, position_ids, steps)
+            return self._ttt_fast(hidden_state, input_ids, position_ids, steps, prefix_kv)
         attn = self.midlayer.self_attn
         h = self.project_aux(hidden_state)
         outs: list[torch.Tensor] = []
@@ -497,7 +495,7 @@ class Eagle3Drafter(nn.Module):
     def checkpointing(self) -> str:
         return checkpointing_mode(self.activation_checkpointing)
 
-    def _ttt_fast(self, hidden_state, input_ids, position_ids, steps: int) -> list[torch.Tensor]:
+    def _ttt_fast(self, hidden_state, input_ids, position_ids, steps: int, prefix_kv=None) -> list[torch.Tensor]:
         from eagle3.train.kernels import causal_plus_diagonal, rms_norm, silu_mul
         c, ml = self.config, self.midlayer
         attn = ml.self_attn
@@ -515,17 +513,21 @@ class Eagle3Drafter(nn.Module):
         def gate_up(n2):
             return silu_mul(n2 @ w_gu.T)
 
-        def step(j, h, k0, v0, dks, dvs):
+        def project(j, h):  # step j's q, k, v (RoPE applied)
             qkv = e_qkv[:, j:j + T] + rms_norm(h, ml.hidden_norm.weight, eps) @ w_h.T
             q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
             cos, sin = self.rope_cos_sin(position_ids + j, qkv.dtype)
             q = apply_rope(q.view(B, T, nh, d).transpose(1, 2), cos, sin)
             k = apply_rope(k.view(B, T, nkv, d).transpose(1, 2), cos, sin)
-            v = v.view(B, T, nkv, d).transpose(1, 2)
+            return q, k, v.view(B, T, nkv, d).transpose(1, 2)
+
+        def step(j, h, k0, v0, dks, dvs, qkv0=None, kp=None, vp=None):
+            q, k, v = qkv0 if qkv0 is not None else project(j, h)
             if j == 0:
                 k0, v0 = k, v
             # step j's diagonal keys: steps 1..j at the same position (keys[0] is the causal block)
-            o = causal_plus_diagonal(q, k0, v0, [*dks[1:], k] if j else [], [*dvs[1:], v] if j else [], attn.scale)
+            o = causal_plus_diagonal(q, k0, v0, [*dks[1:], k] if j else [], [*dvs[1:], v] if j else [], attn.scale,
+                                     (kp, vp) if kp is not None else None)
             r = attn.out(o) + h
             n2 = rms_norm(r, ml.post_attention_layernorm.weight, eps)
             z = torch.utils.checkpoint.checkpoint(gate_up, n2, use_reentrant=False) if mode == "mlp" else gate_up(n2)
@@ -533,8 +535,16 @@ class Eagle3Drafter(nn.Module):
 
         h = self.project_aux(hidden_state)
         outs, keys, values = [], [], []
+        qkv0 = kp = vp = None
+        if prefix_kv is not None:
+            # Sequence parallel: step 0's keys go through the group's collective, which must run once per forward
+            # on every rank, so step 0 is projected here, outside the steps that 'step' checkpointing recomputes.
+            q0, k0, v0 = project(0, h)
+            k0, v0, (kp, vp) = prefix_kv(k0, v0)
+            qkv0 = (q0, k0, v0)
         for j in range(steps):
-            args = (j, h, keys[0] if keys else None, values[0] if values else None, tuple(keys), tuple(values))
+            args = (j, h, keys[0] if keys else None, values[0] if values else None, tuple(keys), tuple(values),
+                    qkv0 if j == 0 else None, kp, vp)
             if mode == "step":
                 h, k, v = torch.utils.checkpoint.checkpoint(step, *args, use_reentrant=False)
             else:

@@ -244,6 +244,25 @@ def flash_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
     return dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
 
 
+def _prefix_forward(q, k, v, scale):
+    """Every query over all keys of the earlier sequence-parallel chunks (no mask), with its log-sum-exp. FA2 on a
+    GPU: cuDNN's length padding above is harmless only for a causal block."""
+    if not q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+        return out, lse, None
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+    return r[0], r[1], ("flash", r[2], r[3], r[4], r[5], r[6], r[7])
+
+
+def _prefix_backward(dout, q, k, v, out, lse, state, scale):
+    if not q.is_cuda:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, False, scale=scale)
+    _, cq, ck, mq, mk, seed, offset = state
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, False, seed, offset, scale=scale)
+
+
 def _fold_kv(g: torch.Tensor, n_rep: int) -> torch.Tensor:
     """Gradient of repeat_kv: sum the n_rep query heads that shared a kv head."""
     if n_rep == 1:
@@ -278,9 +297,21 @@ def _merge_bwd(q, dout, out, lse, kd, vd, dq_causal, scale: float):
 
 class _CausalPlusDiagonal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scale, n_rep, q, k0, v0, *diag):
+    def forward(ctx, scale, n_rep, has_prefix, q, k0, v0, *rest):
+        kp, vp = rest[-2:] if has_prefix else (None, None)
+        diag = rest[:-2] if has_prefix else rest
         j = len(diag) // 2
         o_c, lse_c, state = _causal_forward(q, repeat_kv(k0, n_rep), repeat_kv(v0, n_rep), scale)
+        p_state = None
+        if has_prefix:  # the earlier chunks' block, merged by log-sum-exp into the causal one
+            o_p, lse_p, p_state = _prefix_forward(q, repeat_kv(kp, n_rep), repeat_kv(vp, n_rep), scale)
+            acc = torch.promote_types(q.dtype, torch.float32)
+            lse = torch.logaddexp(lse_c.to(acc), lse_p.to(acc))
+            o = torch.exp(lse_c.to(acc) - lse).unsqueeze(-1) * o_c.to(acc) \
+                + torch.exp(lse_p.to(acc) - lse).unsqueeze(-1) * o_p.to(acc)
+            o_m = torch.empty_strided(o_c.shape, o_c.stride(), dtype=o_c.dtype, device=o_c.device)
+            o_m.copy_(o)
+            o_c, lse_c = o_m, lse.to(lse_c.dtype).contiguous()
         if j == 0:
             out, lse = o_c, lse_c
             kd = vd = None
@@ -291,37 +322,49 @@ class _CausalPlusDiagonal(torch.autograd.Function):
             out = torch.empty_strided(o_c.shape, o_c.stride(), dtype=o_c.dtype, device=o_c.device)
             out.copy_(merged)  # keep the kernel's own layout: its backward is handed this tensor
             lse = lse.to(lse_c.dtype).contiguous()
-        ctx.save_for_backward(q, k0, v0, out, lse, *([kd, vd] if j else []))
-        ctx.state, ctx.scale, ctx.n_rep, ctx.j = state, scale, n_rep, j
+        ctx.save_for_backward(q, k0, v0, out, lse, *([kp, vp] if has_prefix else []), *([kd, vd] if j else []))
+        ctx.state, ctx.p_state, ctx.scale, ctx.n_rep, ctx.j, ctx.has_prefix = state, p_state, scale, n_rep, j, has_prefix
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k0, v0, out, lse, *kv = ctx.saved_tensors
         scale, n_rep, j = ctx.scale, ctx.n_rep, ctx.j
+        if ctx.has_prefix:
+            kp, vp, *kv = kv
         if dout.stride() != out.stride():
             d2 = torch.empty_strided(out.shape, out.stride(), dtype=dout.dtype, device=dout.device)
             d2.copy_(dout)
             dout = d2
         dq, dk0, dv0 = _causal_backward(dout, q, repeat_kv(k0, n_rep), repeat_kv(v0, n_rep), out, lse, ctx.state,
                                         scale)
+        gp = ()
+        if ctx.has_prefix:  # the same merged out / lse serve the prefix block's backward (see above)
+            dq_p, dkp, dvp = _prefix_backward(dout, q, repeat_kv(kp, n_rep), repeat_kv(vp, n_rep), out, lse,
+                                              ctx.p_state, scale)
+            dq = dq + dq_p
+            gp = (_fold_kv(dkp, n_rep), _fold_kv(dvp, n_rep))
         gk = gv = ()
         if j:
             kd, vd = kv
             dq, dkd, dvd = _merge_bwd(q, dout, out, lse, kd, vd, dq, scale)
             gk = tuple(_fold_kv(g, n_rep) for g in dkd.unbind(0))
             gv = tuple(_fold_kv(g, n_rep) for g in dvd.unbind(0))
-        return (None, None, dq, _fold_kv(dk0, n_rep), _fold_kv(dv0, n_rep), *gk, *gv)
+        return (None, None, None, dq, _fold_kv(dk0, n_rep), _fold_kv(dv0, n_rep), *gk, *gv, *gp)
 
 
 def causal_plus_diagonal(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: Sequence[torch.Tensor],
-                         diag_v: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
-    """Same function as drafter.attention_causal_plus_diagonal (query t attends to k0[<= t] and to diag_k[i][t]);
-    q [B, nh, T, d], k0/v0/diag [B, nkv, T, d]. With no diagonal keys it is plain causal attention."""
+                         diag_v: Sequence[torch.Tensor], scale: float,
+                         prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Same function as drafter.attention_causal_plus_diagonal (query t attends to k0[<= t] and to diag_k[i][t],
+    and to every prefix key); q [B, nh, T, d], k0/v0/diag [B, nkv, T, d], prefix [B, nkv, P, d]. With no diagonal
+    keys and no prefix it is plain causal attention."""
     if len(diag_k) != len(diag_v):
         raise ValueError("diag_k and diag_v differ in length")
     n_rep = q.shape[1] // k0.shape[1]
-    return _CausalPlusDiagonal.apply(scale, n_rep, q, k0, v0, *diag_k, *diag_v)
+    has_prefix = prefix is not None and prefix[0].shape[2] > 0
+    return _CausalPlusDiagonal.apply(scale, n_rep, has_prefix, q, k0, v0, *diag_k, *diag_v,
+                                     *(prefix if has_prefix else ()))
 
 
 # ------------------------------------------------------------------------------------------------ lm_head + loss

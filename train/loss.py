@@ -220,11 +220,13 @@ def eagle3_loss_fused(drafter, step_outputs: Sequence[torch.Tensor], target_hidd
                       input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None,
                       decay: float = 0.8, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, *,
                       lm_head_weight: torch.Tensor | None = None, target_argmax: torch.Tensor | None = None,
-                      draft_head_weight: torch.Tensor | None = None):
+                      draft_head_weight: torch.Tensor | None = None, queries: int | None = None,
+                      reduce_counts=None):
     """`eagle3_loss` computed through kernels.linear_soft_cross_entropy: the same loss and metrics, but no host
     sync (rows are weighted, not gathered), no [tokens, draft_vocab] logits kept, and, given `target_argmax` [B, T]
     from the dump with `draft_head_weight` (the draft rows of the target head), no full-vocab teacher matmul.
-    Without them it needs `lm_head_weight` (the full target head) as `eagle3_loss` does.
+    Without them it needs `lm_head_weight` (the full target head) as `eagle3_loss` does. `queries`, `reduce_counts`:
+    sequence parallel, as in `eagle3_loss`.
     Reads the drafter's norm / lm_head weights directly (not for ZeRO-3)."""
     from eagle3.train.kernels import linear_soft_cross_entropy, rms_norm
     K = len(step_outputs)
@@ -245,10 +247,13 @@ def eagle3_loss_fused(drafter, step_outputs: Sequence[torch.Tensor], target_hidd
     u = torch.stack([t + 1 + j for j in range(K)])                      # [K, T]
     inside = u < T
     uc = u.clamp(max=T - 1)
+    if queries is not None:  # pairs of this sequence-parallel rank's own positions only
+        inside = inside & (t < queries)
     valid = (valid_u[:, uc] & inside).permute(1, 0, 2).reshape(K, B * T)  # [K, B*T]
     rows = (torch.arange(B, device=dev)[:, None, None] * T + uc).permute(1, 0, 2).reshape(K, B * T)
     count = valid.sum(1).to(torch.float64)
-    w = torch.tensor([decay ** j for j in range(K)], dtype=torch.float64, device=dev) / count.clamp(min=1)
+    denom = reduce_counts(count) if reduce_counts is not None else count
+    w = torch.tensor([decay ** j for j in range(K)], dtype=torch.float64, device=dev) / denom.clamp(min=1)
     acc = torch.promote_types(step_outputs[0].dtype, torch.float32)
     row_weights = valid.to(acc) * w.to(acc)[:, None]
     xs = [rms_norm(m.reshape(B * T, -1), drafter.norm.weight, drafter.norm.eps) for m in step_outputs]

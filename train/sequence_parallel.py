@@ -115,25 +115,33 @@ def gather_owned(x: torch.Tensor, chunk: Chunk, size: int, group=None) -> torch.
 
 def sequence_parallel_loss(drafter, target_lm_head: torch.Tensor, hidden_state, input_ids, loss_mask,
                            target_hidden, *, steps: int, decay: float, chunk_tokens: int, attention_mask=None,
-                           group=None, target_argmax=None, with_hits: bool = False):
+                           group=None, target_argmax=None, with_hits: bool = False, fast: bool = False,
+                           draft_head=None):
     """This rank's share of the EAGLE-3 loss of a batch whose positions are split over `group` (right padding
     allowed): (loss, metrics) as eagle3_loss returns them, the loss summing over the group to the unsplit one and
     the metrics this rank's own pairs (all-reduce ce_sum / correct / count to pool them). with_hits (held-out
     evaluation, no grad): also the whole batch's [B, T, K] draft hits (acceptance.draft_hits), on every rank;
-    target_argmax [B, T] is then the target's full-vocab argmax (None: from its head)."""
-    from eagle3.train.loss import eagle3_loss
+    target_argmax [B, T] is then the target's full-vocab argmax (None: from its head). fast: train/kernels.py's
+    forward and fused loss, as DrafterTrainStep's fast path (draft_head: the draft rows of the target head, used
+    with target_argmax)."""
+    from eagle3.train.loss import eagle3_loss, eagle3_loss_fused
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     B, T = input_ids.shape
     chunk = chunk_of(T, size, rank, steps)
     ids = window(input_ids, chunk)
     positions = torch.arange(chunk.start, chunk.window_end, device=ids.device).expand(B, -1)
     mask = window(attention_mask, chunk)
-    outs = drafter.ttt_forward(window(hidden_state, chunk), ids, mask, steps, positions, fast=False,
+    outs = drafter.ttt_forward(window(hidden_state, chunk), ids, mask, steps, positions, fast=fast,
                                prefix_kv=prefix_kv(chunk, size, group))
     th = window(target_hidden, chunk)
-    loss, m = eagle3_loss(drafter, outs, th, target_lm_head, ids, window(loss_mask, chunk), mask, decay=decay,
-                          chunk_tokens=chunk_tokens, queries=chunk.end - chunk.start,
-                          reduce_counts=sum_over_group(group))
+    share = dict(queries=chunk.end - chunk.start, reduce_counts=sum_over_group(group))
+    if fast:
+        loss, m = eagle3_loss_fused(drafter, outs, th, ids, window(loss_mask, chunk), mask, decay, chunk_tokens,
+                                    lm_head_weight=target_lm_head, target_argmax=window(target_argmax, chunk),
+                                    draft_head_weight=draft_head, **share)
+    else:
+        loss, m = eagle3_loss(drafter, outs, th, target_lm_head, ids, window(loss_mask, chunk), mask, decay=decay,
+                              chunk_tokens=chunk_tokens, **share)
     if not with_hits:
         return loss, m
     from eagle3.train.acceptance import draft_hits

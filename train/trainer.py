@@ -54,7 +54,7 @@ class DrafterTrainStep(nn.Module):
         super().__init__()
         self.drafter = drafter
         self.steps, self.decay, self.chunk = cfg.ttt_steps, cfg.step_decay, cfg.teacher_chunk_tokens
-        self.fast = bool(cfg.fast_path) and cfg.zero_stage < 3 and cfg.sequence_parallel == 1
+        self.fast = bool(cfg.fast_path) and cfg.zero_stage < 3
         self.sp_group = None  # sequence parallel: this rank's group (set by train())
         kernels.set_cuda_attention_kernel(cfg.attention_kernel)
         if not self.fast and cfg.activation_checkpointing == "step":
@@ -82,7 +82,8 @@ class DrafterTrainStep(nn.Module):
             r = sequence_parallel_loss(self.drafter, self.target_lm_head, hidden_state, input_ids, loss_mask,
                                        target_hidden, steps=self.steps, decay=self.decay, chunk_tokens=self.chunk,
                                        attention_mask=attention_mask, group=self.sp_group,
-                                       target_argmax=target_argmax, with_hits=with_hits)
+                                       target_argmax=target_argmax, with_hits=with_hits, fast=self.fast,
+                                       draft_head=self.draft_head)
             stats = torch.stack([r[1]["ce_sum"], r[1]["correct"], r[1]["count"]])
             return (r[0], stats, r[2]) if with_hits else (r[0], stats)
         outs = self.drafter(hidden_state, input_ids, attention_mask, steps=self.steps, fast=self.fast)
