@@ -205,3 +205,20 @@ def test_last_metrics_reports_what_a_finished_run_recorded(tmp_path):
     got = last_metrics(str(p))
     assert got["step"] == 20 and got["loss"] == 2.0 and got["eval"]["decode_accept_len"] == 1.7
     assert last_metrics(str(tmp_path / "absent.jsonl")) == {}
+
+
+@pytest.mark.slow
+def test_loss_tokens_all_learns_at_prompt_positions_and_evaluates_on_answers(tiny_dump, tiny_targets, tmp_path):
+    """--loss-tokens all: the training loss counts pairs at every real position (more than the dump's loss mask
+    gives), while the held-out evaluation still counts the answers' pairs only, the same as the default run's."""
+    runs = {}
+    for which in ("assistant", "all"):
+        out = tmp_path / which
+        launch(1, tiny_dump, tiny_targets["llama"], out, "--max-steps", 2, "--eval-interval", 2,
+               "--loss-tokens", which)
+        runs[which] = (metrics(out), metrics(out, "eval"))
+    (ta, ea), (tb, eb) = runs["assistant"], runs["all"]
+    assert [r["step"] for r in tb] == [1, 2]
+    for ra, rb in zip(ta, tb):
+        assert rb["counted"] > ra["counted"] > 0, (ra["counted"], rb["counted"])
+    assert ea[-1]["counted"] == eb[-1]["counted"]

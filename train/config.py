@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 import yaml
 
 INIT_HEADS = ("target", "random")  # how the draft head (norm + lm_head) starts: train/trainer.py
+# Which positions the loss learns from: the assistant's tokens (the loss mask the dump recorded), or every real
+# token. The teacher is the target's own distribution at each position whoever wrote the text, so the prompt's
+# positions are supervision too, at no dump cost; the held-out replay walks the assistant's answers either way.
+LOSS_TOKENS = ("assistant", "all")
 REPORTERS = ("wandb", "tensorboard")  # --report-to names: train/trainer.py's TRACKERS
 
 
@@ -63,6 +67,9 @@ class TrainConfig:
                                               "eagle3 provenance (default: the latest known)")
     init_head: str = _opt("random", "initial draft head: 'random', or 'target' (the target's lm_head rows of the "
                                     "draft vocab and its final norm; measured worse, bench/quality.md)")
+    loss_tokens: str = _opt("assistant", "positions the loss learns from: 'assistant' (the dump's loss mask) or "
+                                         "'all' real tokens, the prompt's included (the teacher is the target's "
+                                         "distribution everywhere)")
     # ---- checkpoints and evaluation
     save_interval: int = _opt(500, "save a checkpoint every this many micro-steps (and at the end)")
     keep_checkpoints: int = _opt(2, "interval checkpoints kept (older ones are deleted)")
@@ -101,6 +108,8 @@ class TrainConfig:
             raise ValueError(f"attention_kernel {self.attention_kernel!r}: expected one of {CUDA_ATTENTION_KERNELS}")
         if self.init_head not in INIT_HEADS:
             raise ValueError(f"init_head {self.init_head!r}: expected one of {INIT_HEADS}")
+        if self.loss_tokens not in LOSS_TOKENS:
+            raise ValueError(f"loss_tokens {self.loss_tokens!r}: expected one of {LOSS_TOKENS}")
         self.reporters()  # refuse an unknown tracker before anything starts
 
     def reporters(self) -> list[str]:

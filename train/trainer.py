@@ -611,8 +611,11 @@ def train(cfg: TrainConfig) -> dict:
         return {k: (v.to(device, dtype=dtype, non_blocking=True) if v.is_floating_point()
                     else v.to(device, non_blocking=True)) for k, v in b.items()}
 
-    def model_inputs(b):
-        return (b["hidden_state"], b["input_ids"], b["attention_mask"], b["loss_mask"], b["target_hidden"],
+    def model_inputs(b, train_step: bool = False):
+        # --loss-tokens all: training learns at every real position; the held-out evaluation keeps the dump's mask
+        # (the answers decoding is judged on)
+        mask = b["attention_mask"] if train_step and cfg.loss_tokens == "all" else b["loss_mask"]
+        return (b["hidden_state"], b["input_ids"], b["attention_mask"], mask, b["target_hidden"],
                 b.get("target_argmax"))
 
     accept_k = min(cfg.accept_steps or cfg.ttt_steps, cfg.ttt_steps)
@@ -651,7 +654,7 @@ def train(cfg: TrainConfig) -> dict:
     result: dict = {}
     postfix: dict = {}
     for batch in loader:
-        loss, stats = engine(*model_inputs(to_device(batch)))
+        loss, stats = engine(*model_inputs(to_device(batch), train_step=True))
         # DeepSpeed averages gradients over every rank; a sequence-parallel group's shares add up to one batch's
         engine.backward(loss * sp if sp > 1 else loss)
         engine.step()
