@@ -97,8 +97,7 @@ class SpeculativeDecoder:
                 # chain drafting from the last committed position
                 h, cache, drafts = m[:, -1:], dcache, []
                 for j in range(K):
-                    d = int(dr.draft_logits(h)[0, -1].argmax())
-                    drafts.append(d + int(dr.d2t[d]))
+                    drafts.append(int(dr.target_ids(dr.draft_logits(h)[0, -1].argmax())))
                     if j + 1 < K:
                         pos = torch.tensor([[committed + j]], device=dev)
                         h, cache = dr.forward_step(h, torch.tensor([[drafts[-1]]], device=dev), pos, cache)

@@ -83,14 +83,13 @@ def draft_hits(drafter, step_outputs, target_argmax: torch.Tensor, chunk_tokens:
     B, T = target_argmax.shape
     K = len(step_outputs)
     hits = torch.zeros(B, T, K, dtype=torch.bool, device=target_argmax.device)
-    d2t = drafter.d2t.to(target_argmax.device)
     for j, m in enumerate(step_outputs):
         if 1 + j >= T:
             break
         flat = m[:, : T - 1 - j].reshape(B * (T - 1 - j), -1)
         pred = torch.cat([drafter.draft_logits(flat[s:s + chunk_tokens]).argmax(-1)
                           for s in range(0, flat.shape[0], chunk_tokens)])
-        pred = (pred + d2t[pred]).view(B, T - 1 - j)
+        pred = drafter.target_ids(pred).view(B, T - 1 - j)
         hits[:, : T - 1 - j, j] = pred == target_argmax[:, 1 + j:].to(pred.dtype)
     return hits
 

@@ -361,7 +361,7 @@ class Eagle3Drafter(nn.Module):
             raise ValueError(f"target lm_head {tuple(lm_head.shape)} / final norm {tuple(final_norm.shape)} do not fit "
                              f"the drafter's (vocab_size, hidden_size) = ({c.vocab_size}, {c.hidden_size}); "
                              "train with --init-head random")
-        ids = torch.arange(c.draft_vocab_size, device=self.d2t.device) + self.d2t
+        ids = self.target_ids(torch.arange(c.draft_vocab_size, device=self.d2t.device))
         self.lm_head.weight.copy_(lm_head[ids.to(lm_head.device)])
         self.norm.weight.copy_(final_norm)
 
@@ -390,6 +390,11 @@ class Eagle3Drafter(nn.Module):
         ang = position_ids.to(acc)[..., None] * inv_freq
         emb = torch.cat([ang, ang], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids -> target ids, SGLang's rule: target_id = draft_id + d2t[draft_id] (docs/contract.md)."""
+        d2t = self.d2t.to(draft_ids.device)
+        return draft_ids + d2t[draft_ids]
 
     def draft_logits(self, m: torch.Tensor) -> torch.Tensor:
         """lm_head(norm(m)) over the draft vocab."""
