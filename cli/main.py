@@ -197,7 +197,8 @@ def cmd_eval(a: argparse.Namespace) -> None:
     target, _ = resolve_example(a.target, [])
     rep = evaluate(target, a.drafter, a.prompts, draft_steps=a.draft_steps, max_new_tokens=a.max_new_tokens,
                    num_prompts=a.num_prompts, out=a.out, dtype=a.dtype, device=a.device,
-                   allow_foreign_export=a.allow_foreign_export, trust_remote_code=a.trust_remote_code)
+                   allow_foreign_export=a.allow_foreign_export, trust_remote_code=a.trust_remote_code,
+                   prepack=not a.no_prepack)
     keys = ("acceptance_length", "acceptance_rate_per_position", "tokens_per_target_forward", "speedup", "lossless",
             "capture_indices", "prompts", "generated_tokens")
     print(json.dumps({k: rep[k] for k in keys}, indent=1))
@@ -355,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run the tokenizer code the target ships (tokenizer_config.json auto_map, e.g. Kimi-K2.5's "
                         "tokenization_kimi.py), as the serving engine's --trust-remote-code does; refused otherwise")
+    p.add_argument("--no-prepack", action="store_true",
+                   help="on a CPU, keep PyTorch's plain Linear instead of oneDNN prepacked weights (which make a "
+                        "(K+1)-token verify forward cost close to a 1-token one; the baseline uses them too)")
     p.set_defaults(fn=cmd_eval)
     _add_export_sglang(sub)
     return ap

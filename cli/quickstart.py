@@ -204,6 +204,7 @@ def run_quickstart(q: QuickstartConfig) -> dict:
                               f"{report['prompts']} held-out prompts)"),
         ("accept rate by pos", " ".join(f"{a:.2f}" for a in report["acceptance_rate_per_position"])),
         ("speedup", f"{report['speedup']:.2f}x wall clock vs target-only greedy ({report['device']}, fp32); "
+                    f"{report['spec_tokens_per_s']:.1f} vs {report['baseline_tokens_per_s']:.1f} tok/s, "
                     f"{report['tokens_per_target_forward']:.2f} tokens per target forward"),
         ("lossless", "yes: identical to target-only greedy" if report["lossless"]
          else f"NO: {len(report['mismatches'])} prompts differ"),

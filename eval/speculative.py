@@ -185,8 +185,11 @@ def plot_acceptance(report: dict, path: str) -> None:
 
 def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: int = 5, max_new_tokens: int = 128,
              num_prompts: int | None = 20, out: str | None = None, dtype: str = "fp32", device: str | None = None,
-             progress: bool = True, allow_foreign_export: bool = False, trust_remote_code: bool = False) -> dict:
-    """`allow_foreign_export`: evaluate a drafter from elsewhere -- an export without provenance (served as the
+             progress: bool = True, allow_foreign_export: bool = False, trust_remote_code: bool = False,
+             prepack: bool = True) -> dict:
+    """`prepack`: on a CPU in fp32, run every Linear of the target and the drafter through oneDNN prepacked
+    weights (target/prepack.py says why; both the baseline and speculative decoding use them).
+    `allow_foreign_export`: evaluate a drafter from elsewhere -- an export without provenance (served as the
     latest known SGLang release would serve it for this target) or one whose ids disagree with its provenance.
     `trust_remote_code`: run the tokenizer code the target ships (Kimi-K2.5), refused otherwise."""
     from eagle3.contract import ContractError
@@ -207,6 +210,10 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     target = load_target(target_dir, tdtype, dev)
     backbone = find_backbone(target, info.num_hidden_layers)
     drafter = load_drafter_from_export(export_dir, target.get_input_embeddings().weight, tdtype, dev, export=export)
+    packed = 0
+    if prepack and dev.type == "cpu" and tdtype == torch.float32:
+        from eagle3.target.prepack import prepack_linears
+        packed = prepack_linears(target, rows_hint=draft_steps + 1) + prepack_linears(drafter, rows_hint=1)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     gen_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
@@ -241,6 +248,9 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
         "baseline_tokens_per_target_forward": base_tokens / max(base_forwards, 1),
         "spec_time_s": spec_time, "baseline_time_s": base_time,
         "speedup": base_time / spec_time if spec_time else 0.0,
+        "baseline_tokens_per_s": base_tokens / base_time if base_time else 0.0,
+        "spec_tokens_per_s": total.new_tokens / spec_time if spec_time else 0.0,
+        "prepacked_linears": packed,
         "lossless": not mismatches, "mismatches": mismatches,
     }
     if out:
