@@ -190,11 +190,13 @@ def outcome(tok, conv, max_length=None, **kw):
         return e.reason
 
 
+@pytest.mark.parametrize("kind", ["python", "tiktoken"])
 @pytest.mark.parametrize("template", TEMPLATES)
-def test_slow_tokenizer_masks_equal_the_offsets_masks(template):
-    """The twin slow tokenizer (same vocab, no offsets, tests/slow_tokenizer.py) gives the fast tokenizer's ids and
+def test_slow_tokenizer_masks_equal_the_offsets_masks(template, kind):
+    """The twin slow tokenizer (same vocab, no offsets: BPE in Python, tests/slow_tokenizer.py, or run by the tiktoken
+    package over a tiktoken.model as Kimi-K2.5's is, tests/tiktoken_tokenizer.py) gives the fast tokenizer's ids and
     masks on every conversation, truncated or not."""
-    fast, slow = make_tokenizer(template), make_slow_tokenizer(template)
+    fast, slow = make_tokenizer(template), make_slow_tokenizer(template, kind)
     for conv in SLOW_CONVS:
         text = fast.apply_chat_template(conv, tokenize=False)
         assert slow(text, add_special_tokens=False)["input_ids"] == fast(text, add_special_tokens=False)["input_ids"]

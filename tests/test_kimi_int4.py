@@ -3,6 +3,7 @@ the experts packed, and the captured states equal a reference whose experts were
 process, under TP 2 and under DP 2 x TP 2."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -315,18 +316,35 @@ def test_cli_takes_trust_remote_code(remote_tokenizer_target, convs, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-@pytest.fixture(scope="module")
-def slow_remote_tokenizer_target(tiny_targets, tmp_path_factory):
+SLOW_STAND_INS = {  # kind -> (this folder's file, the name it ships under, its class)
+    "python": ("slow_tokenizer.py", "tokenization_tiny_slow", "SlowByteLevelBPE"),
+    "tiktoken": ("tiktoken_tokenizer.py", "tokenization_tiny_tiktoken", "TiktokenBPE"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SLOW_STAND_INS))
+def slow_remote_tokenizer_target(request, tiny_targets, tmp_path_factory):
     """The tiny Llama target with its tokenizer shipped as code the way Kimi-K2.5 ships tokenization_kimi.py: a
-    slow (Python, no offsets) tokenizer class, auto_map [slow, None]; same vocab as the target's fast tokenizer."""
+    slow (Python, no offsets) tokenizer class, auto_map [slow, None]; same vocab as the target's fast tokenizer.
+    "tiktoken": the vocabulary as a tiktoken.model run by the tiktoken package, as Kimi's is. Returns the target
+    directory (shipped_code names the class)."""
     import shutil
-    path = tmp_path_factory.mktemp("slow_remote_tok") / "llama"
+    src, module, cls = SLOW_STAND_INS[request.param]
+    path = tmp_path_factory.mktemp(f"slow_remote_tok_{request.param}") / "llama"
     shutil.copytree(tiny_targets["llama"], path)
-    shutil.copy(os.path.join(os.path.dirname(__file__), "slow_tokenizer.py"), path / "tokenization_tiny_slow.py")
+    shutil.copy(os.path.join(os.path.dirname(__file__), src), path / f"{module}.py")
+    if request.param == "tiktoken":
+        from tiktoken_tokenizer import write_tiktoken_model
+        write_tiktoken_model((path / "tokenizer.json").read_text(), str(path / "tiktoken.model"))
     cfg = json.loads((path / "tokenizer_config.json").read_text())
-    cfg["auto_map"] = {"AutoTokenizer": ["tokenization_tiny_slow.SlowByteLevelBPE", None]}
+    cfg["auto_map"] = {"AutoTokenizer": [f"{module}.{cls}", None]}
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
     return str(path)
+
+
+def shipped_code(target_dir: str) -> str:
+    """The tokenizer class a target ships as code ("module.Class", auto_map's slow entry)."""
+    return json.loads(open(os.path.join(target_dir, "tokenizer_config.json")).read())["auto_map"]["AutoTokenizer"][0]
 
 
 def test_a_slow_tokenizer_shipped_as_code_dumps_like_the_fast_one(slow_remote_tokenizer_target, tiny_targets, convs,
@@ -335,10 +353,11 @@ def test_a_slow_tokenizer_shipped_as_code_dumps_like_the_fast_one(slow_remote_to
     path) holds the same ids, masks and states as a dump of the same model with the fast tokenizer."""
     from eagle3.contract import load_manifest
     from eagle3.target.load import TargetError, load_tokenizer
-    with pytest.raises(TargetError, match=r"tokenization_tiny_slow.SlowByteLevelBPE.*--trust-remote-code"):
+    code = shipped_code(slow_remote_tokenizer_target)
+    with pytest.raises(TargetError, match=re.escape(code) + ".*--trust-remote-code"):
         load_tokenizer(slow_remote_tokenizer_target)
     tok = load_tokenizer(slow_remote_tokenizer_target, trust_remote_code=True)
-    assert type(tok).__name__ == "SlowByteLevelBPE" and not tok.is_fast
+    assert type(tok).__name__ == code.split(".")[1] and not tok.is_fast
     ref = dump(tiny_targets["llama"], convs, tmp_path / "fast", num_samples=6)
     dump(slow_remote_tokenizer_target, convs, tmp_path / "slow", num_samples=6, trust_remote_code=True)
     a, _ = read_dump(tmp_path / "fast")
@@ -348,7 +367,7 @@ def test_a_slow_tokenizer_shipped_as_code_dumps_like_the_fast_one(slow_remote_to
         assert torch.equal(b[si][C.INPUT_IDS], a[si][C.INPUT_IDS]) and torch.equal(b[si][C.LOSS_MASK], a[si][C.LOSS_MASK])
         assert a[si][C.LOSS_MASK].any() and not a[si][C.LOSS_MASK].all()
         torch.testing.assert_close(b[si][C.FINAL_HIDDEN], a[si][C.FINAL_HIDDEN], atol=0, rtol=0)
-    assert load_manifest(str(tmp_path / "slow")).tokenizer.remote_code == "tokenization_tiny_slow.SlowByteLevelBPE"
+    assert load_manifest(str(tmp_path / "slow")).tokenizer.remote_code == code
     # training checks the target's tokenizer against the dumps': the same flag lets it run the shipped code
     from eagle3.train.trainer import check_target_matches_dumps
     with pytest.raises(TargetError, match="--trust-remote-code"):
@@ -370,7 +389,7 @@ def test_regenerate_runs_a_tokenizer_shipped_as_code_only_behind_the_flag(slow_r
     fast = run_regenerate(RegenConfig(data=[convs], out=str(tmp_path / "fast"), target=tiny_targets["llama"], **kw))
     slow = run_regenerate(RegenConfig(data=[convs], out=str(tmp_path / "slow"), target=slow_remote_tokenizer_target,
                                       trust_remote_code=True, **kw))
-    assert slow["tokenizer"]["remote_code"] == "tokenization_tiny_slow.SlowByteLevelBPE"
+    assert slow["tokenizer"]["remote_code"] == shipped_code(slow_remote_tokenizer_target)
     assert fast["tokenizer"]["remote_code"] is None and slow["identity"] == fast["identity"]
     lines = [(tmp_path / d / "conversations.jsonl").read_text() for d in ("fast", "slow")]
     assert lines[0] == lines[1] and lines[0].count("\n") == 4

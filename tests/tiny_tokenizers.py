@@ -26,6 +26,7 @@ test that mutates its tokenizer cannot leak into another test.
 from __future__ import annotations
 
 import functools
+import os
 import re
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -330,13 +331,26 @@ def make_word_tokenizer(extra_words=()) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def make_slow_tokenizer(template: str):
-    """The slow (pure Python, no offsets) twin of ``make_tokenizer(template)``: same vocab, merges, special tokens
-    and chat template, in the shape of Kimi-K2.5's tiktoken-based ``TikTokenTokenizer`` (tests/slow_tokenizer.py)."""
-    from slow_tokenizer import SlowByteLevelBPE
+def make_slow_tokenizer(template: str, kind: str = "python"):
+    """The slow (no offsets) twin of ``make_tokenizer(template)``: same vocab, merges, special tokens and chat
+    template, in the shape of Kimi-K2.5's tiktoken-based ``TikTokenTokenizer``. kind "python": BPE in Python over
+    the tokenizer.json (tests/slow_tokenizer.py); "tiktoken": a tiktoken.model run by the tiktoken package
+    (tests/tiktoken_tokenizer.py, written to a temporary file)."""
     fast = make_tokenizer(template)
-    tokenizer = SlowByteLevelBPE(tokenizer_json=_tokenizer_json(template), model_max_length=1 << 20,
-                                 **_SPECS[template]["roles"])
+    if kind == "python":
+        from slow_tokenizer import SlowByteLevelBPE
+        tokenizer = SlowByteLevelBPE(tokenizer_json=_tokenizer_json(template), model_max_length=1 << 20,
+                                     **_SPECS[template]["roles"])
+    elif kind == "tiktoken":
+        import tempfile
+        from tiktoken_tokenizer import TiktokenBPE, write_tiktoken_model
+        path = os.path.join(tempfile.mkdtemp(prefix="tiktoken_"), "tiktoken.model")
+        write_tiktoken_model(_tokenizer_json(template), path)
+        added = {i: t for i, t in fast.added_tokens_decoder.items()}
+        tokenizer = TiktokenBPE(vocab_file=path, added_tokens_decoder=added, model_max_length=1 << 20,
+                                **_SPECS[template]["roles"])
+    else:
+        raise ValueError(kind)
     tokenizer.chat_template = fast.chat_template
     assert not tokenizer.is_fast and tokenizer.get_vocab() == fast.get_vocab(), template
     return tokenizer
