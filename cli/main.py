@@ -320,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="regenerate: conversations per generate call (default 64 on a CPU, 1024 on a GPU)")
     p.add_argument("--init-head", default=None, choices=["target", "random"],
                    help="train: start the draft head from the target's lm_head rows and final norm, or at random")
+    p.add_argument("--aux-noise", type=float, default=None,
+                   help="train: Gaussian noise on the captured states, std relative to each layer's per-token RMS "
+                        "(default: off)")
     p.add_argument("--loss-tokens", default=None, choices=["assistant", "all"],
                    help="train: learn at the assistant's tokens only (the trainer's default) or at every real token")
     p.add_argument("--max-turns", type=int, default=q.max_turns, help="regenerate: assistant turns per conversation")

@@ -25,6 +25,7 @@ class QuickstartConfig:
     regen_batch_size: int | None = None  # regenerate: conversations per generate call; default 64 CPU, 1024 GPU
     init_head: str | None = None     # train: 'target' or 'random' draft head (default: the trainer's)
     loss_tokens: str | None = None   # train: 'assistant' or 'all' positions in the loss (default: the trainer's)
+    aux_noise: float | None = None   # train: feature noise on the captured states (default: the trainer's, off)
     temperature: float = 0.0         # regenerate: sampling temperature (0 = greedy, as greedy serving decodes)
     max_turns: int | None = 1        # regenerate: assistant turns per conversation (None = all)
     train_steps: int | None = None   # default: 500 on a CPU, 2000 on a GPU
@@ -149,6 +150,8 @@ def run_quickstart(q: QuickstartConfig) -> dict:
         fields["init_head"] = q.init_head
     if q.loss_tokens:
         fields["loss_tokens"] = q.loss_tokens
+    if q.aux_noise is not None:
+        fields["aux_noise"] = q.aux_noise
     fields["ttt_steps"] = q.ttt_steps or (fields.get("ttt_steps", 7) if on_gpu else q.draft_steps)
     if fields["resume"]:
         print("[quickstart] a training run is already there; resuming it (nothing left to do if done)",

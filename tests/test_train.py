@@ -222,3 +222,35 @@ def test_loss_tokens_all_learns_at_prompt_positions_and_evaluates_on_answers(tin
     for ra, rb in zip(ta, tb):
         assert rb["counted"] > ra["counted"] > 0, (ra["counted"], rb["counted"])
     assert ea[-1]["counted"] == eb[-1]["counted"]
+
+
+def test_noisy_aux_scales_the_noise_by_each_layers_rms():
+    """--aux-noise: per captured layer and token, std = scale x that layer's RMS (layers of very different scales
+    each get their share), reproducible by seed, in the input's dtype."""
+    from eagle3.train.trainer import noisy_aux
+    torch.manual_seed(0)
+    H, scales = 64, (1e-2, 1.0, 1e2)
+    x = torch.cat([s * torch.randn(2, 400, H, dtype=torch.float64) for s in scales], dim=-1)
+    y = noisy_aux(x, 0.1, 3, seed=5)
+    noise, layers = (y - x).view(2, 400, 3, H), x.view(2, 400, 3, H)
+    rel = noise.pow(2).mean(dim=(0, 1, 3)).sqrt() / layers.pow(2).mean(dim=(0, 1, 3)).sqrt()
+    torch.testing.assert_close(rel, torch.full((3,), 0.1, dtype=torch.float64), rtol=0.03, atol=0)
+    assert noise.mean().abs() < 0.01 * noise.std()
+    assert torch.equal(noisy_aux(x, 0.1, 3, seed=5), y) and not torch.equal(noisy_aux(x, 0.1, 3, seed=6), y)
+    assert noisy_aux(x.to(torch.bfloat16), 0.1, 3, seed=5).dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_aux_noise_reaches_training_batches_only(tiny_dump, tiny_targets, tmp_path):
+    """With lr 0 the weights never move: --aux-noise changes the training losses (the noise reaches the drafter)
+    but not one digit of the held-out evaluation (which never sees noise)."""
+    runs = {}
+    for noise in ("0", "0.5"):
+        out = tmp_path / noise
+        launch(1, tiny_dump, tiny_targets["llama"], out, "--max-steps", 2, "--eval-interval", 2, "--lr", 0,
+               "--aux-noise", noise)
+        runs[noise] = (metrics(out), metrics(out, "eval"))
+    (ta, ea), (tb, eb) = runs["0"], runs["0.5"]
+    assert all(ra["loss"] != rb["loss"] for ra, rb in zip(ta, tb))
+    for k in ("loss_j", "acc_j", "decode_accept_len"):
+        assert ea[-1][k] == eb[-1][k], k

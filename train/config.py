@@ -70,6 +70,9 @@ class TrainConfig:
     loss_tokens: str = _opt("assistant", "positions the loss learns from: 'assistant' (the dump's loss mask) or "
                                          "'all' real tokens, the prompt's included (the teacher is the target's "
                                          "distribution everywhere)")
+    aux_noise: float = _opt(0.0, "training only: Gaussian noise on the captured states fed to the drafter, its std "
+                                 "this times each captured layer's per-token RMS (EAGLE-1's feature noise, a "
+                                 "regulariser for small data); 0 = off")
     # ---- checkpoints and evaluation
     save_interval: int = _opt(500, "save a checkpoint every this many micro-steps (and at the end)")
     keep_checkpoints: int = _opt(2, "interval checkpoints kept (older ones are deleted)")
@@ -108,6 +111,8 @@ class TrainConfig:
             raise ValueError(f"attention_kernel {self.attention_kernel!r}: expected one of {CUDA_ATTENTION_KERNELS}")
         if self.init_head not in INIT_HEADS:
             raise ValueError(f"init_head {self.init_head!r}: expected one of {INIT_HEADS}")
+        if not self.aux_noise >= 0:
+            raise ValueError(f"aux_noise must be >= 0, got {self.aux_noise}")
         if self.loss_tokens not in LOSS_TOKENS:
             raise ValueError(f"loss_tokens {self.loss_tokens!r}: expected one of {LOSS_TOKENS}")
         self.reporters()  # refuse an unknown tracker before anything starts

@@ -102,6 +102,20 @@ class DrafterTrainStep(nn.Module):
         return (loss, stats, hits) if with_hits else (loss, stats)
 
 
+def noisy_aux(hidden_state: torch.Tensor, scale: float, num_aux: int, seed: int) -> torch.Tensor:
+    """hidden_state [B, T, num_aux * H] plus Gaussian noise whose std is `scale` times each captured layer's RMS at
+    that token (the layers' scales differ by orders of magnitude; one absolute std would drown the low one and
+    miss the high one). `seed` fixes the draw (the trainer derives it from the run's seed, rank and step, so a
+    resumed run draws what an uninterrupted one would)."""
+    B, T, D = hidden_state.shape
+    x = hidden_state.view(B, T, num_aux, D // num_aux)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    rms = x.to(acc).pow(2).mean(-1, keepdim=True).sqrt()
+    g = torch.Generator(device=x.device).manual_seed(seed)
+    noise = torch.randn(x.shape, generator=g, device=x.device, dtype=acc)
+    return (x.to(acc) + scale * rms * noise).to(x.dtype).view(B, T, D)
+
+
 # ----------------------------------------------------------------------------------------------- set-up pieces
 
 def check_target_matches_dumps(target_dir: str, manifest: C.DumpManifest, trust_remote_code: bool = False) -> None:
@@ -615,8 +629,11 @@ def train(cfg: TrainConfig) -> dict:
         # --loss-tokens all: training learns at every real position; the held-out evaluation keeps the dump's mask
         # (the answers decoding is judged on)
         mask = b["attention_mask"] if train_step and cfg.loss_tokens == "all" else b["loss_mask"]
-        return (b["hidden_state"], b["input_ids"], b["attention_mask"], mask, b["target_hidden"],
-                b.get("target_argmax"))
+        hs = b["hidden_state"]
+        if train_step and cfg.aux_noise > 0:  # --aux-noise: training batches only, never the held-out evaluation
+            seed = (cfg.seed * 1_000_003 + world.rank) * 1_000_003 + step
+            hs = noisy_aux(hs, cfg.aux_noise, dcfg.num_aux_layers, seed)
+        return (hs, b["input_ids"], b["attention_mask"], mask, b["target_hidden"], b.get("target_argmax"))
 
     accept_k = min(cfg.accept_steps or cfg.ttt_steps, cfg.ttt_steps)
 
