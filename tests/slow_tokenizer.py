@@ -16,23 +16,11 @@ from __future__ import annotations
 import json
 
 import regex
+from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte -> character map
 from transformers import AddedToken, PreTrainedTokenizer
 
 # GPT-2's pre-tokenization regex, as tokenizers' ByteLevel(use_regex=True) applies it
 PAT = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (the byte-level alphabet of tokenizer.json's vocab)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 class SlowByteLevelBPE(PreTrainedTokenizer):

@@ -20,23 +20,11 @@ import json
 
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
+from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte -> character map
 from transformers import PreTrainedTokenizer
 
 # GPT-2's split regex (tiktoken's r50k_base uses the same one)
 PAT_STR = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def write_tiktoken_model(tokenizer_json: str, path: str) -> None:
