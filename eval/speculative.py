@@ -223,7 +223,7 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     total = ChainStats(draft_steps)
     spec_time = base_time = 0.0
     base_forwards = base_tokens = 0
-    mismatches = []
+    mismatches, per_prompt = [], []
     for i, p in enumerate(tqdm(prompts, desc="eval", unit="prompt", disable=not progress)):
         t0 = time.perf_counter()
         ref, fwd = dec.greedy(p, max_new_tokens)
@@ -234,6 +234,8 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
         got, st = dec.generate(p, max_new_tokens, draft_steps)
         spec_time += time.perf_counter() - t0
         total.merge(st)
+        per_prompt.append({"tokens": ref, "verify_steps": st.verify_steps, "round_tokens": st.round_tokens,
+                           "reached": st.reached, "accepted": st.accepted})
         if got != ref:
             first = next((k for k, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
             mismatches.append({"prompt": i, "first_difference_at": first, "spec_len": len(got), "ref_len": len(ref)})
@@ -252,6 +254,9 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
         "spec_tokens_per_s": total.new_tokens / spec_time if spec_time else 0.0,
         "prepacked_linears": packed,
         "lossless": not mismatches, "mismatches": mismatches,
+        # each prompt's target-only greedy answer and its rounds (bench/replay_vs_eval.py matches them against the
+        # answers training replayed)
+        "per_prompt": per_prompt,
     }
     if out:
         os.makedirs(out, exist_ok=True)

@@ -66,6 +66,14 @@ def test_speculative_decoding_is_lossless_and_accepts(word_target, distilled, tr
     assert len(rep["acceptance_rate_per_position"]) == 4
     assert json.load(open(tmp_path / "eval" / "eval.json"))["acceptance_length"] == rep["acceptance_length"]
     assert (tmp_path / "eval" / "acceptance.png").stat().st_size > 1000
+    # per prompt: the greedy answer and its rounds, which add up to the pooled figures
+    pp = rep["per_prompt"]
+    assert len(pp) == rep["prompts"] and sum(len(p["tokens"]) for p in pp) == rep["generated_tokens"]
+    assert sum(p["verify_steps"] for p in pp) == rep["verify_steps"]
+    pooled = ChainStats(4, reached=[sum(c) for c in zip(*(p["reached"] for p in pp))],
+                        accepted=[sum(c) for c in zip(*(p["accepted"] for p in pp))])
+    assert pooled.rates == rep["acceptance_rate_per_position"]
+    assert rep["prepacked_linears"] > 0 and rep["spec_tokens_per_s"] > 0  # CPU fp32: oneDNN prepacked weights
 
 
 def test_an_export_with_shifted_ids_accepts_clearly_less(word_target, distilled, trained_export, tmp_path):
