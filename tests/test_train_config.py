@@ -43,9 +43,9 @@ def test_every_train_flag_has_help():
 def test_a_preset_a_flag_overriding_it_and_a_plain_flag_combine(tmp_path):
     from eagle3 import presets
     preset = presets.load("train", "example")
-    cfg = parse("--config", "example", "--dump", "d1", "d2", "--target", "t", "--lr", "1e-3", "--seed", "5",
+    cfg = parse("--config", "example", "--dump", "d1", "d2", "--target", "t", "--lr", "2e-3", "--seed", "5",
                 "--no-bf16", "--betas", "0.8,0.9", "--report-to", "wandb,tensorboard")
-    assert cfg.lr == 1e-3 != preset["lr"]                       # the flag wins over the preset
+    assert cfg.lr == 2e-3 != preset["lr"]                       # the flag wins over the preset
     assert cfg.warmup_steps == preset["warmup_steps"] == 20     # the preset wins over the default
     assert cfg.drafter == "smollm2-135m" and cfg.epochs == 4
     assert cfg.seed == 5 and cfg.bf16 is False and cfg.betas == (0.8, 0.9) and cfg.dump == ["d1", "d2"]
