@@ -99,12 +99,13 @@ def test_split_step_equals_the_unsplit_step(size, fast, checkpointing, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["--no-fast-path", "--fast-path"])
+@pytest.mark.parametrize("path", [("--no-fast-path",), ("--fast-path", "--aux-noise", "0.3")], ids=["plain", "fast+noise"])
 def test_training_with_sequence_parallel_2_equals_one_process(tiny_dump, tiny_targets, tmp_path, path):
     """`deepspeed --num_gpus 2 -m eagle3.train --sequence-parallel 2`: both ranks split every batch (one data-parallel
-    group), and the run's losses, held-out evaluation and weights are those of one process training unsplit."""
+    group), and the run's losses, held-out evaluation and weights are those of one process training unsplit
+    (--aux-noise too: the group's ranks draw the same noise for their one batch)."""
     from test_train import launch, metrics
-    args = ("--zero-stage", "2", "--max-steps", 4, "--save-interval", 4, path)
+    args = ("--zero-stage", "2", "--max-steps", 4, "--save-interval", 4, *path)
     launch(1, tiny_dump, tiny_targets["llama"], tmp_path / "one", *args)
     launch(2, tiny_dump, tiny_targets["llama"], tmp_path / "sp2", *args, "--sequence-parallel", 2)
     a, b = metrics(tmp_path / "one"), metrics(tmp_path / "sp2")

@@ -105,8 +105,8 @@ class DrafterTrainStep(nn.Module):
 def noisy_aux(hidden_state: torch.Tensor, scale: float, num_aux: int, seed: int) -> torch.Tensor:
     """hidden_state [B, T, num_aux * H] plus Gaussian noise whose std is `scale` times each captured layer's RMS at
     that token (the layers' scales differ by orders of magnitude; one absolute std would drown the low one and
-    miss the high one). `seed` fixes the draw (the trainer derives it from the run's seed, rank and step, so a
-    resumed run draws what an uninterrupted one would)."""
+    miss the high one). `seed` fixes the draw (the trainer derives it from the run's seed, data-parallel rank and
+    step, so a resumed run draws what an uninterrupted one would)."""
     B, T, D = hidden_state.shape
     x = hidden_state.view(B, T, num_aux, D // num_aux)
     acc = torch.promote_types(x.dtype, torch.float32)
@@ -631,7 +631,8 @@ def train(cfg: TrainConfig) -> dict:
         mask = b["attention_mask"] if train_step and cfg.loss_tokens == "all" else b["loss_mask"]
         hs = b["hidden_state"]
         if train_step and cfg.aux_noise > 0:  # --aux-noise: training batches only, never the held-out evaluation
-            seed = (cfg.seed * 1_000_003 + world.rank) * 1_000_003 + step
+            # by data-parallel rank: a sequence-parallel group holds one batch, and its ranks must see one draw
+            seed = (cfg.seed * 1_000_003 + dp_rank) * 1_000_003 + step
             hs = noisy_aux(hs, cfg.aux_noise, dcfg.num_aux_layers, seed)
         return (hs, b["input_ids"], b["attention_mask"], mask, b["target_hidden"], b.get("target_argmax"))
 
