@@ -214,26 +214,36 @@ def _cudnn_backward(dout, q, k, v, out, lse, state, scale):
     return (dq, dk, dv) if tail is None else (dq[:, :, :T], dk[:, :, :T], dv[:, :, :T])
 
 
-def _causal_forward(q, k, v, scale):
-    """Causal attention with its log-sum-exp: (out [B, h, T, d], lse [B, h, T] fp32, state for backward)."""
+def _flash_forward(q, k, v, scale, causal: bool):
+    """PyTorch's flash attention (CPU or FA2) with its log-sum-exp: (out [B, h, T, d], lse [B, h, T] fp32, state for
+    backward)."""
     if not q.is_cuda:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse, None
-    if cuda_attention_kernel(q) == "cudnn":
-        return _cudnn_forward(q, k, v, scale)
-    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     return r[0], r[1], ("flash", r[2], r[3], r[4], r[5], r[6], r[7])
 
 
-def _causal_backward(dout, q, k, v, out, lse, state, scale):
+def _flash_backward(dout, q, k, v, out, lse, state, scale, causal: bool):
     if not q.is_cuda:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, True, scale=scale)
-    if state[0] == "cudnn":
-        return _cudnn_backward(dout, q, k, v, out, lse, state, scale)
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
     _, cq, ck, mq, mk, seed, offset = state
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, True, seed, offset, scale=scale)
+        dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale)
+
+
+def _causal_forward(q, k, v, scale):
+    """Causal attention with its log-sum-exp: (out [B, h, T, d], lse [B, h, T] fp32, state for backward)."""
+    if q.is_cuda and cuda_attention_kernel(q) == "cudnn":
+        return _cudnn_forward(q, k, v, scale)
+    return _flash_forward(q, k, v, scale, causal=True)
+
+
+def _causal_backward(dout, q, k, v, out, lse, state, scale):
+    if q.is_cuda and state[0] == "cudnn":
+        return _cudnn_backward(dout, q, k, v, out, lse, state, scale)
+    return _flash_backward(dout, q, k, v, out, lse, state, scale, causal=True)
 
 
 def flash_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -242,25 +252,6 @@ def flash_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
     if device.type != "cuda":
         return True
     return dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
-
-
-def _prefix_forward(q, k, v, scale):
-    """Every query over all keys of the earlier sequence-parallel chunks (no mask), with its log-sum-exp. FA2 on a
-    GPU: cuDNN's length padding above is harmless only for a causal block."""
-    if not q.is_cuda:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
-        return out, lse, None
-    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
-    return r[0], r[1], ("flash", r[2], r[3], r[4], r[5], r[6], r[7])
-
-
-def _prefix_backward(dout, q, k, v, out, lse, state, scale):
-    if not q.is_cuda:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, False, scale=scale)
-    _, cq, ck, mq, mk, seed, offset = state
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, False, seed, offset, scale=scale)
 
 
 def _fold_kv(g: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -304,7 +295,9 @@ class _CausalPlusDiagonal(torch.autograd.Function):
         o_c, lse_c, state = _causal_forward(q, repeat_kv(k0, n_rep), repeat_kv(v0, n_rep), scale)
         p_state = None
         if has_prefix:  # the earlier chunks' block, merged by log-sum-exp into the causal one
-            o_p, lse_p, p_state = _prefix_forward(q, repeat_kv(kp, n_rep), repeat_kv(vp, n_rep), scale)
+            # every query over all their keys, no mask; FA2 on a GPU (cuDNN's length padding is harmless only for a
+            # causal block)
+            o_p, lse_p, p_state = _flash_forward(q, repeat_kv(kp, n_rep), repeat_kv(vp, n_rep), scale, causal=False)
             acc = torch.promote_types(q.dtype, torch.float32)
             lse = torch.logaddexp(lse_c.to(acc), lse_p.to(acc))
             o = torch.exp(lse_c.to(acc) - lse).unsqueeze(-1) * o_c.to(acc) \
@@ -340,8 +333,8 @@ class _CausalPlusDiagonal(torch.autograd.Function):
                                         scale)
         gp = ()
         if ctx.has_prefix:  # the same merged out / lse serve the prefix block's backward (see above)
-            dq_p, dkp, dvp = _prefix_backward(dout, q, repeat_kv(kp, n_rep), repeat_kv(vp, n_rep), out, lse,
-                                              ctx.p_state, scale)
+            dq_p, dkp, dvp = _flash_backward(dout, q, repeat_kv(kp, n_rep), repeat_kv(vp, n_rep), out, lse,
+                                             ctx.p_state, scale, causal=False)
             dq = dq + dq_p
             gp = (_fold_kv(dkp, n_rep), _fold_kv(dvp, n_rep))
         gk = gv = ()
