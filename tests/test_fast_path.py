@@ -42,6 +42,17 @@ def grads_of(fn, inputs, seed=0):
     return out.detach(), [x.grad for x in xs]
 
 
+def _assert_close_to_float64(out, xs, ref, g_ref):
+    """A bf16 CUDA kernel's output and its inputs' gradients (`xs`, under the cotangent grads_of draws with seed 0)
+    against the float64 reference `ref`, `g_ref`: within bf16 rounding (1% / 2% relative)."""
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    (out.double() * g.cuda()).sum().backward()
+    rel = lambda a, b: float((a.double().cpu() - b).norm() / b.norm())  # noqa: E731
+    assert rel(out, ref) < 1e-2, rel(out, ref)
+    for x, gr in zip(xs, g_ref):
+        assert rel(x.grad, gr) < 2e-2, rel(x.grad, gr)
+
+
 @pytest.mark.parametrize("nkv,j", [(4, 0), (4, 3), (2, 2), (1, 5)])
 def test_causal_plus_diagonal_matches_dense_mask_with_gradients(nkv, j):
     gen = torch.Generator().manual_seed(nkv * 10 + j)
@@ -194,12 +205,7 @@ def test_cuda_causal_plus_diagonal_matches_float64_dense(cuda_kernel, nkv, j, T)
     ref, g_ref = grads_of(split(dense_attention), inputs)
     xs = [x.to("cuda", torch.bfloat16).requires_grad_(True) for x in inputs]
     out = split(kernels.causal_plus_diagonal)(*xs)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    (out.double() * g.cuda()).sum().backward()
-    rel = lambda a, b: float((a.double().cpu() - b).norm() / b.norm())  # noqa: E731
-    assert rel(out, ref) < 1e-2, rel(out, ref)
-    for x, gr in zip(xs, g_ref):
-        assert rel(x.grad, gr) < 2e-2, rel(x.grad, gr)
+    _assert_close_to_float64(out, xs, ref, g_ref)
 
 
 def test_cuda_attention_kernel_names_are_checked():
@@ -348,9 +354,4 @@ def test_cuda_causal_plus_diagonal_with_a_prefix_matches_float64_dense(cuda_kern
     xs = [x.to("cuda", torch.bfloat16).requires_grad_(True) for x in inputs]
     out = kernels.causal_plus_diagonal(xs[0], xs[1], xs[2], xs[3:3 + j], xs[3 + j:3 + 2 * j], scale,
                                        prefix=(xs[-2], xs[-1]))
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    (out.double() * g.cuda()).sum().backward()
-    rel = lambda a, b: float((a.double().cpu() - b).norm() / b.norm())  # noqa: E731
-    assert rel(out, ref) < 1e-2, rel(out, ref)
-    for x, gr in zip(xs, g_ref):
-        assert rel(x.grad, gr) < 2e-2, rel(x.grad, gr)
+    _assert_close_to_float64(out, xs, ref, g_ref)
