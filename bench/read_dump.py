@@ -28,6 +28,11 @@ def write_synthetic(out: str, hidden: int, tokens: int, indices=(3, 31, 59), lay
         return
     os.makedirs(out, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
+    m = C.DumpManifest(target=C.TargetInfo("synthetic", "Synthetic", layers, hidden, 163840, "synthetic"),
+                       capture=C.CaptureSpec(list(indices)), tokenizer=C.TokenizerInfo("synthetic", "synthetic"),
+                       dtype="bfloat16", max_length=None, tp_size=1, dp_size=1, shards=[],
+                       data_fingerprint=C.data_fingerprint([("synthetic", "0" * 64, 0)]))
+    meta = C.shard_identity(m, plan_sha256="synthetic")  # what the reader checks every shard against
     bpt = (len(indices) + 1) * hidden * 2 + 5
     records, shard, shard_tokens, j, si, done = [], [], 0, 0, 0, 0
     while done < tokens:
@@ -43,11 +48,9 @@ def write_synthetic(out: str, hidden: int, tokens: int, indices=(3, 31, 59), lay
         done += n
         si += 1
         if shard_tokens * bpt >= shard_mb * 2**20 or done >= tokens:
-            records.append(write_shard(out, j, shard, list(indices), {"format": C.DUMP_FORMAT}))
+            records.append(write_shard(out, j, shard, list(indices), meta))
             shard, shard_tokens, j = [], 0, j + 1
-    m = C.DumpManifest(target=C.TargetInfo("synthetic", "Synthetic", layers, hidden, 163840, "synthetic"),
-                       capture=C.CaptureSpec(list(indices)), tokenizer=C.TokenizerInfo("synthetic", "synthetic"),
-                       dtype="bfloat16", max_length=None, tp_size=1, dp_size=1, shards=records)
+    m.shards = records
     atomic_write_text(os.path.join(out, C.MANIFEST_FILE), json.dumps(m.to_dict(), indent=1))
 
 
