@@ -9,6 +9,9 @@ dumps holding the same record of the same data file, are refused.
 
 A dump stored in fp8 (docs/contract.md §3) is dequantized as it is read (`q * scale`, in float32, then the dtype
 asked for: by default the dump's own --dtype), so consumers see the same tensors as from a dump stored in dtype.
+With `fp8_in_batch=True` the states stay fp8 through `collate` instead (a quarter of bf16's bytes to copy and ship)
+and `dequantize_batch` does the same float32 multiply where the batch is used: on the GPU that costs nothing, while
+the readers' CPU conversion limits them to ~1.3x the trainer at the Kimi shape (bench/RESULTS.md, fp8 storage).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ class DumpSet:
     `dtype`: what fp8-stored states are dequantized to (default: each dump's --dtype, the manifest's `dtype`)."""
 
     def __init__(self, dirs: list[str] | str, verify: bool = True, progress: bool = False,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, fp8_in_batch: bool = False):
         self.dirs = [dirs] if isinstance(dirs, str) else list(dirs)
         if not self.dirs:
             raise ValueError("no dump directories given")
@@ -88,6 +91,8 @@ class DumpSet:
         self._handles: dict = {}
         self._deq_dtype = [(dtype or getattr(torch, m.dtype)) if m.storage == C.STORAGE_FP8 else None
                            for m in self.manifests]  # per dump: None = stored as read
+        # standardized(): fp8 states and their scales as stored, for collate + dequantize_batch (module docstring)
+        self.fp8_in_batch = fp8_in_batch
         self._refuse_shared_samples()
 
     def _refuse_shared_samples(self) -> None:
@@ -159,7 +164,11 @@ class DumpSet:
         try:
             if C.TARGET_ARGMAX in self._shard(ref.dump, ref.shard).keys():
                 keys.append(C.TARGET_ARGMAX)
-            raw = self.sample(ref, keys)
+            if self.fp8_in_batch and self._deq_dtype[ref.dump] is not None:
+                states = [C.FINAL_HIDDEN] + [C.hidden_state_key(k) for k in self.indices]
+                raw = self.sample(ref, keys + [C.scale_key(k) for k in states], dequantize=False)
+            else:
+                raw = self.sample(ref, keys)
         except Exception as e:  # safetensors raises its own error types; name the shard and sample
             if isinstance(e, ContractError):
                 raise
@@ -255,6 +264,7 @@ def collate(samples: list[dict], pad_id: int = 0) -> dict:
     parts0 = first.get("hidden_parts")
     hs_dtype = first["hidden_state"].dtype if parts0 is None else parts0[0].dtype
     hs_width = first["hidden_state"].shape[-1] if parts0 is None else sum(p.shape[-1] for p in parts0)
+    fp8 = "hidden_scales" in first  # fp8_in_batch: q as stored, one float32 scale per (token, state)
     out = {
         "input_ids": torch.full((B, T), pad_id, dtype=torch.long),
         "loss_mask": torch.zeros((B, T), dtype=torch.uint8),
@@ -262,6 +272,9 @@ def collate(samples: list[dict], pad_id: int = 0) -> dict:
         "hidden_state": _batch_tensor((B, T, hs_width), hs_dtype),
         "target_hidden": _batch_tensor((B, T, first["target_hidden"].shape[-1]), first["target_hidden"].dtype),
     }
+    if fp8:  # padding: scale 0 and q 0 read back as 0, as the padding of a dequantized batch
+        out["hidden_scale"] = torch.zeros((B, T, len(first["hidden_scales"])), dtype=torch.float32)
+        out["target_scale"] = torch.zeros((B, T), dtype=torch.float32)
     if all("target_argmax" in s for s in samples):  # the dump recorded the teacher's argmax (all or nothing)
         out["target_argmax"] = torch.zeros((B, T), dtype=torch.long)
     for b, s in enumerate(samples):
@@ -279,6 +292,24 @@ def collate(samples: list[dict], pad_id: int = 0) -> dict:
         else:
             out["hidden_state"][b, :n] = s["hidden_state"]
         out["target_hidden"][b, :n] = s["target_hidden"]
+        if fp8:
+            for j, sc in enumerate(s["hidden_scales"]):
+                out["hidden_scale"][b, :n, j] = sc
+            out["target_scale"][b, :n] = s["target_scale"]
         out["hidden_state"][b, n:] = 0  # only the padding is zeroed (the rest was just written)
         out["target_hidden"][b, n:] = 0
+    return out
+
+
+def dequantize_batch(batch: dict, dtype: torch.dtype) -> dict:
+    """A collated batch of an `fp8_in_batch` DumpSet -> the batch the reader would have dequantized: each state
+    q * scale in float32, then `dtype` (dump.shards.dequantize_fp8's arithmetic, so the values are the same). Runs
+    where the batch is (move it to the GPU first). A batch without scales is returned as it is."""
+    if "hidden_scale" not in batch:
+        return batch
+    out = dict(batch)
+    hs, sc = out.pop("hidden_state"), out.pop("hidden_scale")
+    B, T, n = sc.shape
+    out["hidden_state"] = (hs.to(torch.float32).view(B, T, n, -1) * sc.unsqueeze(-1)).view(B, T, -1).to(dtype)
+    out["target_hidden"] = (out["target_hidden"].to(torch.float32) * out.pop("target_scale").unsqueeze(-1)).to(dtype)
     return out

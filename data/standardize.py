@@ -38,8 +38,14 @@ def standardize_data_v1(sample: dict, manifest: DumpManifest, source: str = "sam
             raise ContractError(f"{source}: {name} has shape {tuple(t.shape)}, expected ({T}, {H}) "
                                 f"(hidden size {H} from the manifest)")
         # one reduction pass (a NaN/Inf anywhere makes the fp32 sum non-finite); the exact test only to confirm
-        if not torch.isfinite(t.sum(dtype=torch.float32)) and not torch.isfinite(t).all():
+        # (fp8 e4m3fn has no Inf and no isfinite: a non-finite sum of it is a NaN)
+        if not torch.isfinite(t.sum(dtype=torch.float32)) and (t.dtype == torch.float8_e4m3fn
+                                                               or not torch.isfinite(t).all()):
             raise ContractError(f"{source}: {name} contains NaN or Inf")
+        scale = sample.get(C.scale_key(name))
+        if scale is not None and (tuple(scale.shape) != (T,) or not torch.isfinite(scale).all()):
+            raise ContractError(f"{source}: {C.scale_key(name)} has shape {tuple(scale.shape)} or non-finite "
+                                f"values, expected ({T},) finite (the fp8 scale of each token)")
     if sample[C.LOSS_MASK].shape[0] != T:
         raise ContractError(f"{source}: loss_mask has {sample[C.LOSS_MASK].shape[0]} tokens, input_ids {T}")
     out = {"input_ids": sample[C.INPUT_IDS], "loss_mask": sample[C.LOSS_MASK], "target_hidden": sample[C.FINAL_HIDDEN]}
@@ -47,6 +53,9 @@ def standardize_data_v1(sample: dict, manifest: DumpManifest, source: str = "sam
         out["hidden_state"] = torch.cat(parts, dim=-1)
     else:  # the same columns, left for the batch collate to place (saves a copy of every sample)
         out["hidden_parts"] = parts
+    if C.scale_key(C.FINAL_HIDDEN) in sample:  # fp8 states left quantized: their scales, in the same order
+        out["hidden_scales"] = [sample[C.scale_key(C.hidden_state_key(k))] for k in indices]
+        out["target_scale"] = sample[C.scale_key(C.FINAL_HIDDEN)]
     if C.TARGET_ARGMAX in sample:  # optional: the target's full-vocab argmax per token (the fast teacher)
         am = sample[C.TARGET_ARGMAX]
         if am.shape != (T,):

@@ -8,7 +8,8 @@ import torch
 from safetensors import safe_open
 
 from eagle3 import contract as C
-from eagle3.data.dumps import DumpSet
+from eagle3.data.dumps import DumpSet, dequantize_batch
+from eagle3.data.loader import BatchPlan, make_loader
 from eagle3.dump.job import DumpConfig, run_dump
 from eagle3.dump.shards import dequantize_fp8, quantize_fp8, read_shard_metadata, shard_name
 
@@ -118,6 +119,25 @@ def test_zero_and_non_finite_rows():
     assert torch.allclose(dequantize_fp8(*quantize_fp8(tiny)), tiny, rtol=2.0**-4)
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_left_in_the_batch_dequantizes_to_the_readers_batch(fp8_dump, workers, dtype):
+    """fp8_in_batch: the loader ships q and the scales (a quarter of the bytes), dequantize_batch does the
+    reader's multiply where the batch is used; the batches must equal the reader-dequantized ones exactly,
+    padding included, in the main process and through a worker's shared memory."""
+    plain, late = DumpSet(fp8_dump, verify=False, dtype=dtype), DumpSet(fp8_dump, verify=False, fp8_in_batch=True)
+    plan = BatchPlan([r.length for r in plain.refs], 512, seed=0, rank=0, world_size=1)
+    n = len(plan.epoch(0))
+    got = list(make_loader(late, late.refs, plan, num_steps=n, num_workers=workers))
+    want = list(make_loader(plain, plain.refs, plan, num_steps=n, num_workers=workers))
+    assert len(got) == len(want) == n and any(int(b["attention_mask"].eq(0).sum()) for b in want)  # some padding
+    for g, w in zip(got, want):
+        assert g["hidden_state"].dtype == g["target_hidden"].dtype == torch.float8_e4m3fn
+        d = dequantize_batch(g, dtype)
+        assert set(d) == set(w) and all(torch.equal(d[k], w[k]) for k in w), [k for k in w if not torch.equal(d[k], w[k])]
+    assert dequantize_batch(want[0], dtype) is want[0]  # a dequantized (or bf16-stored) batch passes through
+
+
 def test_table_dequantize_equals_torchs_conversion():
     """The reader's byte-pair lookup gives exactly q.float() for every byte (NaNs as NaNs), and odd widths fall
     back to torch's conversion."""
@@ -215,16 +235,26 @@ def test_inspect_names_storage_bytes_and_projection(fp8_dump, tiny_dump):
     assert rep["totals"]["bytes"] < 0.3 * plain["totals"]["bytes"]
 
 
-def test_short_training_run_on_an_fp8_dump(fp8_dump, tiny_targets, tmp_path):
+def _train_losses(fp8_dump, target, out):
     from eagle3.train.config import TrainConfig
     from eagle3.train.trainer import train
-    out = str(tmp_path / "run")
-    train(TrainConfig(dump=[fp8_dump], target=tiny_targets["llama"], out=out, drafter="tiny", bf16=False,
+    train(TrainConfig(dump=[fp8_dump], target=target, out=out, drafter="tiny", bf16=False,
                       max_steps=3, save_interval=3, token_budget=512, warmup_steps=1, held_out_fraction=0.0,
-                      num_workers=0, progress=False, report_to="none"))
+                      num_workers=0, progress=False, report_to="none", log_interval=1))
     with open(os.path.join(out, "run.json")) as f:
         assert json.load(f)  # the run finished and recorded itself
-    metrics = [os.path.join(dp, fn) for dp, _, fns in os.walk(out) for fn in fns if fn.endswith(".jsonl")]
-    losses = [json.loads(line).get("loss") for p in metrics for line in open(p) if line.strip()]
-    losses = [x for x in losses if x is not None]
-    assert losses and all(torch.isfinite(torch.tensor(x)) for x in losses)
+    metrics = sorted(os.path.join(dp, fn) for dp, _, fns in os.walk(out) for fn in fns if fn.endswith(".jsonl"))
+    return [x for p in metrics for line in open(p) if line.strip() for x in [json.loads(line).get("loss")]
+            if x is not None]
+
+
+def test_short_training_run_on_an_fp8_dump(fp8_dump, tiny_targets, tmp_path, monkeypatch):
+    """The trainer takes fp8 batches and dequantizes them where it trains (to_device); its losses must be exactly
+    those of the same run fed batches the reader dequantized (a dropped or misapplied scale changes them)."""
+    losses = _train_losses(fp8_dump, tiny_targets["llama"], str(tmp_path / "run"))
+    assert len(losses) >= 3 and all(torch.isfinite(torch.tensor(x)) for x in losses)
+
+    class ReaderDequantizes(DumpSet):  # the trainer's `fp8_in_batch = True` has no effect on it
+        fp8_in_batch = property(lambda self: False, lambda self, value: None)
+    monkeypatch.setattr("eagle3.data.dumps.DumpSet", ReaderDequantizes)
+    assert _train_losses(fp8_dump, tiny_targets["llama"], str(tmp_path / "reader")) == losses

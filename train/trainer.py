@@ -455,7 +455,7 @@ def traces_of_a_run(run_dir: str) -> list[str]:
 def train(cfg: TrainConfig) -> dict:
     import deepspeed
 
-    from eagle3.data.dumps import DumpSet, split
+    from eagle3.data.dumps import DumpSet, dequantize_batch, split
     from eagle3.data.loader import BatchPlan, make_loader
     from eagle3.data.vocab import build_vocab, describe_vocab, load_vocab, save_vocab
     from eagle3.train.drafter import Eagle3Drafter
@@ -475,6 +475,10 @@ def train(cfg: TrainConfig) -> dict:
     dumps = D.run_on_main(lambda: DumpSet(cfg.dump, verify=True, progress=cfg.progress), world)
     if dumps is None:
         dumps = DumpSet(cfg.dump, verify=False)
+    # An fp8 dump is dequantized where training runs (to_device), not by the loader's CPU workers: at the Kimi
+    # shape they would feed an H200 at ~1.3x its rate (bench/RESULTS.md, fp8 storage). On a CPU the multiply just
+    # moves to the main process, a few ms next to a step there; one path for both.
+    dumps.fp8_in_batch = True
     manifest = dumps.manifest
     D.run_on_main(lambda: check_target_matches_dumps(cfg.target, manifest, cfg.trust_remote_code), world)
     train_refs, held_refs = split(dumps.refs, cfg.held_out_fraction, cfg.seed)
@@ -622,8 +626,10 @@ def train(cfg: TrainConfig) -> dict:
     metrics = MetricsLog(run_dir, cfg, world.is_main, resume_step=step if resume_tag is not None else None)
 
     def to_device(b):
-        return {k: (v.to(device, dtype=dtype, non_blocking=True) if v.is_floating_point()
-                    else v.to(device, non_blocking=True)) for k, v in b.items()}
+        # fp8 states (and their float32 scales) move as stored; dequantize_batch multiplies them out there
+        return dequantize_batch({k: (v.to(device, dtype=dtype, non_blocking=True)
+                                     if v.is_floating_point() and v.dtype != torch.float8_e4m3fn and "scale" not in k
+                                     else v.to(device, non_blocking=True)) for k, v in b.items()}, dtype)
 
     def model_inputs(b, train_step: bool = False):
         # --loss-tokens all: training learns at every real position; the held-out evaluation keeps the dump's mask
