@@ -69,6 +69,29 @@ def test_standardize_refuses_wrong_width_and_nan():
         standardize_data_v1(s, _manifest([2, 5]), source="x")
 
 
+@pytest.mark.parametrize("nan_byte", [0x7F, 0xFF])
+def test_standardize_of_fp8_left_quantized_refuses_nan_and_bad_scales(nan_byte):
+    """fp8 states kept as stored (DumpSet fp8_in_batch): both e4m3fn NaN encodings are refused (checked on the
+    bytes), and so is a non-finite or misshapen scale; clean ones pass their scales along in index order."""
+    def fp8_sample():
+        s = _sample([2, 5])
+        for k in [C.FINAL_HIDDEN, C.hidden_state_key(2), C.hidden_state_key(5)]:
+            s[k] = s[k].to(torch.float8_e4m3fn)
+            s[C.scale_key(k)] = torch.full((3,), 0.5)
+        return s
+    out = standardize_data_v1(fp8_sample(), _manifest([2, 5]), source="x", concat=False)
+    assert len(out["hidden_scales"]) == 2 and out["target_scale"].shape == (3,)
+    s = fp8_sample()
+    s[C.hidden_state_key(5)].view(torch.uint8)[2, 1] = nan_byte
+    with pytest.raises(C.ContractError, match="x: hidden_states.5 contains NaN"):
+        standardize_data_v1(s, _manifest([2, 5]), source="x")
+    for bad in (torch.tensor([0.5, float("inf"), 0.5]), torch.full((2,), 0.5)):
+        s = fp8_sample()
+        s[C.scale_key(C.FINAL_HIDDEN)] = bad
+        with pytest.raises(C.ContractError, match=r"x: final_hidden.scale has shape"):
+            standardize_data_v1(s, _manifest([2, 5]), source="x")
+
+
 def _copy(src, dst):
     shutil.copytree(src, dst)
     return str(dst)
