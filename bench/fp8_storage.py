@@ -85,7 +85,7 @@ def errors(src: str, fp8: str) -> dict:
                 "rel_frobenius": (s["err2"] / s["ref2"]) ** 0.5} for n, s in acc.items()}
 
 
-def throughput(path: str, workers: int, token_budget: int, repeats: int, device: str = "cpu") -> dict:
+def throughput(path: str, workers: int, token_budget: int, repeats: int, device: str = "cpu", pin: bool = True) -> dict:
     """tokens/s of training batches (read + dequantize + collate), median of `repeats` passes over the whole dump
     after one warm-up pass. device cuda: what the trainer does there, batches pinned, moved to the GPU and fp8
     states dequantized there (DumpSet fp8_in_batch + dequantize_batch), synchronized before the clock stops."""
@@ -99,7 +99,7 @@ def throughput(path: str, workers: int, token_budget: int, repeats: int, device:
     for rep in range(repeats + 1):
         t0, tokens, nbytes = time.perf_counter(), 0, 0
         for b in make_loader(ds, ds.refs, plan, start_step=0, num_steps=steps, num_workers=workers,
-                             pin_memory=on_gpu):
+                             pin_memory=on_gpu and pin):
             if on_gpu:
                 b = dequantize_batch({k: v.to(device, non_blocking=True) for k, v in b.items()}, torch.bfloat16)
             tokens += int(b["attention_mask"].sum())
@@ -110,7 +110,7 @@ def throughput(path: str, workers: int, token_budget: int, repeats: int, device:
         if rep:  # the first pass warms the page cache
             runs.append({"tokens_s": tokens / dt, "batch_GB_s": nbytes / dt / 1e9, "seconds": dt})
     m = ds.manifest
-    return {"dump": path, "storage": m.storage, "device": device, "read_as": str(b["hidden_state"].dtype).removeprefix("torch."),
+    return {"dump": path, "storage": m.storage, "device": device, "pin_memory": on_gpu and pin, "read_as": str(b["hidden_state"].dtype).removeprefix("torch."),
             "shard_bytes": m.totals["bytes"], "bytes_per_token": m.totals["bytes"] / m.totals["tokens"],
             "batches_per_pass": steps, "median_tokens_s": statistics.median(r["tokens_s"] for r in runs),
             "runs": runs}
@@ -124,6 +124,7 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu", help="cuda: batches end on the GPU, fp8 dequantized there")
+    ap.add_argument("--no-pin", action="store_true", help="with --device cuda: no pinned copy (the trainer pins)")
     a = ap.parse_args()
     if os.path.realpath(a.out).startswith(os.path.realpath(a.dump) + os.sep):
         raise SystemExit("--out must not be inside --dump (the source dump is only read)")
@@ -137,8 +138,8 @@ def main() -> None:
                          "indices": src.capture.hidden_state_indices, "samples": src.totals["samples"],
                          "tokens": src.totals["tokens"]},
               "fp8_dump": fp8, "reencode_s": encode_s, "errors": errors(a.dump, fp8),
-              "reader": {"source": throughput(a.dump, a.workers, a.token_budget, a.repeats, a.device),
-                         "fp8": throughput(fp8, a.workers, a.token_budget, a.repeats, a.device)},
+              "reader": {"source": throughput(a.dump, a.workers, a.token_budget, a.repeats, a.device, not a.no_pin),
+                         "fp8": throughput(fp8, a.workers, a.token_budget, a.repeats, a.device, not a.no_pin)},
               "workers": a.workers, "token_budget": a.token_budget, "host": platform.node(), "cpus": os.cpu_count(),
               "torch": torch.__version__, "command": " ".join(sys.argv)}
     r = report["reader"]

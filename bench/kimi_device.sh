@@ -22,6 +22,8 @@ for what in "$@"; do
               --repeats 3 > "$OUT/fp8_storage_h200_w14.json" 2> "$OUT/fp8_storage_h200.log"
             python3 bench/fp8_storage.py --dump /tmp/synth --out /tmp/synth8 --workers 14 --token-budget 16384 \
               --repeats 3 --device cuda > "$OUT/fp8_storage_h200_w14_cuda.json" 2>> "$OUT/fp8_storage_h200.log"
+            python3 bench/fp8_storage.py --dump /tmp/synth --out /tmp/synth8 --workers 14 --token-budget 16384 \
+              --repeats 3 --device cuda --no-pin > "$OUT/fp8_storage_h200_w14_cuda_nopin.json" 2>> "$OUT/fp8_storage_h200.log"
             tail -3 "$OUT/fp8_storage_h200.log"; grep median_tokens_s "$OUT"/fp8_storage_h200_w14*.json ;;
     *) echo "unknown: $what"; exit 2 ;;
   esac
