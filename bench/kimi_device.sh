@@ -5,11 +5,7 @@
 #   bash bench/kimi_device.sh layer     # bench/kimi_layer.py: a real-size Kimi-K2.5 MoE layer, INT4 as shipped
 #   bash bench/kimi_device.sh reader    # the reader on a bf16 and an fp8 dump at the Kimi shape, 14 workers
 set -uo pipefail
-OUT=${OUT:-bench/results}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null || exit 1
-export WANDB_MODE=disabled
+source "$(dirname "$0")/device_env.sh"
 for what in "$@"; do
   case $what in
     kernels) python3 -m pytest -q -p no:cacheprovider tests/test_fast_path.py 2>&1 | tail -5 | tee "$OUT/test_fast_path_h200.txt" ;;

@@ -3,11 +3,7 @@
 # and .dev_peer (a copy of ../shared/bench/peer_specforge_step.py plus the specforge wheel in .whl).
 #   bash bench/train_step.sh [extra bench/train_step.py flags]
 set -uo pipefail
-OUT=${OUT:-bench/results}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null || exit 1
-export WANDB_MODE=disabled
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 # the fast path's CUDA kernels against the float64 plain path first: a wrong kernel must not get timed
 python3 -m pytest -q -p no:cacheprovider tests/test_fast_path.py 2>&1 | tail -3 | tee "$OUT/test_fast_path.txt" \
