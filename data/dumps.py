@@ -165,8 +165,7 @@ class DumpSet:
             if C.TARGET_ARGMAX in self._shard(ref.dump, ref.shard).keys():
                 keys.append(C.TARGET_ARGMAX)
             if self.fp8_in_batch and self._deq_dtype[ref.dump] is not None:
-                states = [C.FINAL_HIDDEN] + [C.hidden_state_key(k) for k in self.indices]
-                raw = self.sample(ref, keys + [C.scale_key(k) for k in states], dequantize=False)
+                raw = self.sample(ref, keys + [C.scale_key(k) for k in keys if _is_state(k)], dequantize=False)
             else:
                 raw = self.sample(ref, keys)
         except Exception as e:  # safetensors raises its own error types; name the shard and sample
@@ -256,6 +255,11 @@ def _batch_tensor(shape, dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(storage).view(shape)
 
 
+# The float32 scales an fp8_in_batch batch carries for hidden_state and target_hidden (moved as they are; consumed
+# by dequantize_batch).
+BATCH_SCALES = ("hidden_scale", "target_scale")
+
+
 def collate(samples: list[dict], pad_id: int = 0) -> dict:
     """Right-pad standardized samples into a batch with an attention mask. Samples may carry `hidden_state` or
     `hidden_parts` (standardized(concat=False)): the parts are written straight into their columns."""
@@ -273,8 +277,8 @@ def collate(samples: list[dict], pad_id: int = 0) -> dict:
         "target_hidden": _batch_tensor((B, T, first["target_hidden"].shape[-1]), first["target_hidden"].dtype),
     }
     if fp8:  # padding: scale 0 and q 0 read back as 0, as the padding of a dequantized batch
-        out["hidden_scale"] = torch.zeros((B, T, len(first["hidden_scales"])), dtype=torch.float32)
-        out["target_scale"] = torch.zeros((B, T), dtype=torch.float32)
+        out[BATCH_SCALES[0]] = torch.zeros((B, T, len(first["hidden_scales"])), dtype=torch.float32)
+        out[BATCH_SCALES[1]] = torch.zeros((B, T), dtype=torch.float32)
     if all("target_argmax" in s for s in samples):  # the dump recorded the teacher's argmax (all or nothing)
         out["target_argmax"] = torch.zeros((B, T), dtype=torch.long)
     for b, s in enumerate(samples):
@@ -302,14 +306,14 @@ def collate(samples: list[dict], pad_id: int = 0) -> dict:
 
 
 def dequantize_batch(batch: dict, dtype: torch.dtype) -> dict:
-    """A collated batch of an `fp8_in_batch` DumpSet -> the batch the reader would have dequantized: each state
-    q * scale in float32, then `dtype` (dump.shards.dequantize_fp8's arithmetic, so the values are the same). Runs
-    where the batch is (move it to the GPU first). A batch without scales is returned as it is."""
-    if "hidden_scale" not in batch:
+    """A collated batch of an `fp8_in_batch` DumpSet -> the batch the reader would have dequantized: the reader's
+    own dump.shards.dequantize_fp8 on each state, where the batch is (move it to the GPU first). A batch without
+    scales is returned as it is."""
+    if BATCH_SCALES[0] not in batch:
         return batch
     out = dict(batch)
-    hs, sc = out.pop("hidden_state"), out.pop("hidden_scale")
+    sc = out.pop(BATCH_SCALES[0])
     B, T, n = sc.shape
-    out["hidden_state"] = (hs.to(torch.float32).view(B, T, n, -1) * sc.unsqueeze(-1)).view(B, T, -1).to(dtype)
-    out["target_hidden"] = (out["target_hidden"].to(torch.float32) * out.pop("target_scale").unsqueeze(-1)).to(dtype)
+    out["hidden_state"] = dequantize_fp8(out["hidden_state"].view(B, T, n, -1), sc, dtype).view(B, T, -1)
+    out["target_hidden"] = dequantize_fp8(out["target_hidden"], out.pop(BATCH_SCALES[1]), dtype)
     return out

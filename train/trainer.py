@@ -455,7 +455,7 @@ def traces_of_a_run(run_dir: str) -> list[str]:
 def train(cfg: TrainConfig) -> dict:
     import deepspeed
 
-    from eagle3.data.dumps import DumpSet, dequantize_batch, split
+    from eagle3.data.dumps import BATCH_SCALES, DumpSet, dequantize_batch, split
     from eagle3.data.loader import BatchPlan, make_loader
     from eagle3.data.vocab import build_vocab, describe_vocab, load_vocab, save_vocab
     from eagle3.train.drafter import Eagle3Drafter
@@ -628,7 +628,8 @@ def train(cfg: TrainConfig) -> dict:
     def to_device(b):
         # fp8 states (and their float32 scales) move as stored; dequantize_batch multiplies them out there
         return dequantize_batch({k: (v.to(device, dtype=dtype, non_blocking=True)
-                                     if v.is_floating_point() and v.dtype != torch.float8_e4m3fn and "scale" not in k
+                                     if v.is_floating_point() and v.dtype != torch.float8_e4m3fn
+                                     and k not in BATCH_SCALES
                                      else v.to(device, non_blocking=True)) for k, v in b.items()}, dtype)
 
     def model_inputs(b, train_step: bool = False):
