@@ -313,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("quickstart", help="the whole pipeline on the embedded default (SmolLM2-135M + ShareGPT)")
     p.add_argument("--out", default=q.out)
     p.add_argument("--num-samples", type=int, default=None,
-                   help="input conversations the target answers (those it can: default 500 on a CPU, 8000 on a GPU)")
+                   help="input conversations the target answers (those it can): default 8000 on a GPU; on a CPU "
+                        "1000 where its bf16 GEMMs are fast (AMX), else 500")
     p.add_argument("--max-length", type=int, default=q.max_length, help="dump: tokens per conversation (GPU: 1024)")
     p.add_argument("--regen-max-new-tokens", type=int, default=None,
                    help="regenerate: tokens per answer (default 96 on a CPU, 512 on a GPU)")
@@ -321,16 +322,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
                    help="regenerate and dump dtype (default: regenerate bf16 on a GPU, fp32 on a CPU; dump fp32, the eval's)")
     p.add_argument("--regen-batch-size", type=int, default=None,
-                   help="regenerate: conversations per generate call (default 64 on a CPU, 1024 on a GPU)")
+                   help="regenerate: conversations per generate call (default 128 on a CPU, 1024 on a GPU)")
     p.add_argument("--init-head", default=None, choices=["target", "random"],
                    help="train: start the draft head from the target's lm_head rows and final norm, or at random")
     p.add_argument("--aux-noise", type=float, default=None,
                    help="train: Gaussian noise on the captured states, std relative to each layer's per-token RMS "
                         "(default: off)")
+    p.add_argument("--train-dtype", default=None, choices=["bf16", "fp32"],
+                   help="train dtype (default: bf16 on a GPU and on a CPU with fast bf16 GEMMs, else fp32)")
     p.add_argument("--loss-tokens", default=None, choices=["assistant", "all"],
                    help="train: learn at the assistant's tokens only (the trainer's default) or at every real token")
     p.add_argument("--max-turns", type=int, default=q.max_turns, help="regenerate: assistant turns per conversation")
-    p.add_argument("--train-steps", type=int, default=None, help="default: 500 on a CPU, 2000 on a GPU")
+    p.add_argument("--train-steps", type=int, default=None, help="default: 2000 on a GPU; on a CPU 700 with fast bf16 GEMMs, else 500")
     p.add_argument("--token-budget", type=int, default=None, help="padded tokens per training step")
     p.add_argument("--draft-vocab-size", type=int, default=None, help="default: 2048 on a CPU, the preset's on a GPU")
     p.add_argument("--lr", type=float, default=None, help="default: the example training preset's")

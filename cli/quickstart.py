@@ -18,17 +18,20 @@ from dataclasses import dataclass
 @dataclass
 class QuickstartConfig:
     out: str = "runs/quickstart"
-    num_samples: int | None = None   # input conversations to regenerate; default 500 on a CPU, 8000 on a GPU
+    num_samples: int | None = None   # input conversations to regenerate; default 8000 on a GPU, on a CPU 1000 where
+                                     # its bf16 GEMMs are fast (core/cpu.py) else 500
     max_length: int = 512            # dump: tokens per conversation; the GPU default is 1024
     regen_max_new_tokens: int | None = None  # regenerate: tokens per answer; default 96 on a CPU, 512 on a GPU
     dtype: str | None = None         # regenerate + dump dtype; default: regenerate bf16 on a GPU, else fp32; dump fp32
-    regen_batch_size: int | None = None  # regenerate: conversations per generate call; default 64 CPU, 1024 GPU
+    regen_batch_size: int | None = None  # regenerate: conversations per generate call; default 128 CPU, 1024 GPU
     init_head: str | None = None     # train: 'target' or 'random' draft head (default: the trainer's)
     loss_tokens: str | None = None   # train: 'assistant' or 'all' positions in the loss (default: the trainer's)
     aux_noise: float | None = None   # train: feature noise on the captured states (default: the trainer's, off)
+    train_dtype: str | None = None   # train: 'bf16' or 'fp32'; default bf16 on a GPU and on a CPU whose bf16 GEMMs are
+                                     # fast (core/cpu.py), else fp32
     temperature: float = 0.0         # regenerate: sampling temperature (0 = greedy, as greedy serving decodes)
     max_turns: int | None = 1        # regenerate: assistant turns per conversation (None = all)
-    train_steps: int | None = None   # default: 500 on a CPU, 2000 on a GPU
+    train_steps: int | None = None   # default: 2000 on a GPU, on a CPU 700 with fast bf16 GEMMs else 500
     token_budget: int | None = None  # padded tokens per step; default 1024 on a CPU, 8192 on a GPU
     draft_vocab_size: int | None = None  # default: 2048 on a CPU (cheaper head), the drafter preset's on a GPU
     lr: float | None = None          # default: the example training preset's
@@ -61,16 +64,42 @@ def held_out_prompts(data_file: str, held_indices: set[int], after: int, n: int,
     return out_path
 
 
+def _evaluate_child(kwargs: dict) -> None:
+    from eagle3.eval.speculative import evaluate
+    evaluate(**kwargs)
+
+
+def evaluate_in_fresh_process(target_dir: str, export_dir: str, prompts: str, out: str, **kwargs) -> dict:
+    """`eagle3 eval` in a fresh (spawned) process, as a user runs it after the quickstart. Why: in the process that
+    had just trained for minutes, the same eval of the same drafter measured both decoders slower and unevenly --
+    20.7 vs 18.0 tok/s (0.87x) against 24.5 vs 23.3 (0.95x) from the standalone command (2-core Xeon,
+    2026-12-05) -- and the speedup is the figure it exists to report. Returns the eval.json it wrote."""
+    import multiprocessing as mp
+    path = os.path.join(out, "eval.json")
+    if os.path.exists(path):
+        os.remove(path)  # a report left by an earlier run must not stand in for this one
+    child = mp.get_context("spawn").Process(target=_evaluate_child, args=(dict(
+        target_dir=target_dir, export_dir=export_dir, prompts_file=prompts, out=out, **kwargs),))
+    child.start()
+    child.join()
+    if child.exitcode != 0 or not os.path.exists(path):
+        raise RuntimeError(f"eval: the evaluation process exited with code {child.exitcode} (its error is above); "
+                           f"rerun it alone: eagle3 eval --target {target_dir} --drafter {export_dir} "
+                           f"--prompts {prompts} --out {out}")
+    with open(path) as f:
+        return json.load(f)
+
+
 def run_quickstart(q: QuickstartConfig) -> dict:
     import torch
 
     from eagle3.data.dumps import DumpSet, split
     from eagle3.data.vocab import build_vocab, describe_vocab, save_vocab
+    from eagle3.cpu import bf16_gemm_speedup, cpu_prefers_bf16
     from eagle3.dump.example import example_sharegpt_jsonl
     from eagle3.dump.example import example_target_dir
     from eagle3.dump.job import DumpConfig, run_dump
     from eagle3.dump.regenerate import CONVERSATIONS, RegenConfig, run_regenerate
-    from eagle3.eval.speculative import evaluate
     from eagle3.export.sglang import export_drafter, server_command
     from eagle3.train.config import TrainConfig, load_yaml
     from eagle3.train.trainer import drafter_config, train
@@ -80,16 +109,26 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     # one-token decode steps round differently in bf16 and can flip near-ties). The dump runs fp32 too, so that the
     # drafter trains on the very states the eval feeds it: a drafter trained on bf16 states accepted ~7% less under
     # the fp32 eval than under a bf16 one (bench/quality.md, run G). Regeneration only writes text: bf16 on a GPU
-    # (2.4x faster than fp32 there), fp32 on a CPU (this 2-core CPU has no native bf16: fp32 GEMMs 202 GFLOP/s,
-    # bf16 56). --dtype sets both.
-    num_samples = q.num_samples or (8000 if on_gpu else 500)
+    # (2.4x faster than fp32 there), fp32 on a CPU: without bf16 instructions (a 2-core EPYC) bf16 GEMMs ran at a
+    # quarter of fp32's rate, and even with AMX bf16 regeneration wrote only ~10% faster (decode steps of 64-128 rows
+    # are bound by more than their GEMMs; 2026-12-05), while fp32 text is exactly what the fp32 eval decodes, so
+    # training's held-out replay predicts it round for round. --dtype sets both.
+    # Training's dtype never reaches decoding (the eval runs the exported weights in fp32), so it goes by speed alone:
+    # bf16 on a GPU and on a CPU whose bf16 GEMMs are fast (AMX: the fp32 training step's 443 s took 277 s, at a
+    # held-out replay of 1.41 against 1.45; bench/quality.md rows L); fp32 on a CPU without them.
+    fast_cpu_bf16 = not on_gpu and cpu_prefers_bf16()
+    train_dtype = q.train_dtype or ("bf16" if on_gpu or fast_cpu_bf16 else "fp32")
+    # CPU sizes for about 15 minutes on 2 cores: the time bf16 training saves goes into twice the data (held-out
+    # replay 1.45 -> 1.52 at the same total time, rows L)
+    num_samples = q.num_samples or (8000 if on_gpu else 1000 if fast_cpu_bf16 else 500)
     regen_new = q.regen_max_new_tokens or (512 if on_gpu else 96)
     max_length = q.max_length if not on_gpu or q.max_length != QuickstartConfig.max_length else 1024
-    train_steps = q.train_steps or (2000 if on_gpu else 500)
+    train_steps = q.train_steps or (2000 if on_gpu else 700 if fast_cpu_bf16 else 500)
     token_budget = q.token_budget or (8192 if on_gpu else 1024)
     regen_dtype = q.dtype or ("bf16" if on_gpu else "fp32")
     dump_dtype = q.dtype or "fp32"
-    regen_rows = q.regen_batch_size or (1024 if on_gpu else 64)
+    # 128 rows a call on a CPU: 218 tok/s against 186 at 64 and 166 at 32, the same greedy answers (2-core Xeon)
+    regen_rows = q.regen_batch_size or (1024 if on_gpu else 128)
     os.makedirs(q.out, exist_ok=True)
     t_start, times = time.perf_counter(), {}
     N = 7
@@ -136,7 +175,7 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     run_dir = os.path.join(q.out, "run")
     fields = {k: v for k, v in preset.items()}
     fields.update(dump=[dump_dir], target=target, out=run_dir, vocab=vocab_path, max_steps=train_steps,
-                  draft_vocab_size=n_vocab, token_budget=token_budget, bf16=on_gpu,
+                  draft_vocab_size=n_vocab, token_budget=token_budget, bf16=train_dtype == "bf16",
                   held_out_fraction=q.held_out_fraction, warmup_steps=min(20, train_steps // 10 + 1),
                   # checkpoints along the way (a run never ends with nothing saved), held-out decoding replays
                   # at the eval's chain length and answer length, and the best of them kept for the export
@@ -179,9 +218,10 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     held = {r.sample_index for r in held_refs}
     last = max(r.sample_index for r in dumps.refs)
     prompts = held_out_prompts(data, held, last, q.eval_prompts, os.path.join(q.out, "heldout_prompts.jsonl"))
-    report = evaluate(target, export_dir, prompts, draft_steps=q.draft_steps, max_new_tokens=q.max_new_tokens,
-                      num_prompts=q.eval_prompts, out=os.path.join(q.out, "eval"), dtype="fp32",
-                      device=q.device, progress=q.progress)
+    report = evaluate_in_fresh_process(target, export_dir, prompts, draft_steps=q.draft_steps,
+                                       max_new_tokens=q.max_new_tokens, num_prompts=q.eval_prompts,
+                                       out=os.path.join(q.out, "eval"), dtype="fp32", device=q.device,
+                                       progress=q.progress)
     times["eval"] = time.perf_counter() - t0
 
     _stage(7, N, "summary")
@@ -197,7 +237,9 @@ def run_quickstart(q: QuickstartConfig) -> dict:
         ("tokens dumped", f"{tot['tokens']:,} in {tot['samples']} conversations ({tot['bytes'] / 2**20:,.0f} MiB), "
                           f"capture HF {manifest.capture.hidden_state_indices}"),
         ("draft vocab", describe_vocab(vocab["meta"])),
-        ("training", f"{train_result.get('step')} steps, final loss {train_result.get('loss', float('nan')):.3f}"),
+        ("training", f"{train_result.get('step')} steps in {train_dtype}, final loss "
+                     f"{train_result.get('loss', float('nan')):.3f}"
+                     + ("" if on_gpu else f" (this CPU's bf16 GEMMs: {bf16_gemm_speedup():.1f}x fp32's rate)")),
         ("train acc_j", " ".join(f"{a:.2f}" for a in train_result.get("acc_j", []))),
         ("held-out acc_j", " ".join(f"{a:.2f}" for a in ev.get("acc_j", [])) or "n/a"),
         ("held-out replay", (f"acceptance length {ev['decode_accept_len']:.2f}, by position "
@@ -218,7 +260,9 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
-    summary = {"times": times, "eval": report, "train": train_result, "heldout_replay": ev, "export": prov.to_dict(),
+    summary = {"times": times, "dtypes": {"regenerate": regen_dtype, "dump": dump_dtype, "train": train_dtype,
+                                          "eval": "fp32"},
+               "cpu_bf16_gemm_speedup": None if on_gpu else bf16_gemm_speedup(), "eval": report, "train": train_result, "heldout_replay": ev, "export": prov.to_dict(),
                "serve": server, "dump_totals": tot, "regenerate": regen}
     with open(os.path.join(q.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)

@@ -5,7 +5,9 @@ Why: speculative decoding pays off only when verifying K+1 tokens costs about wh
 of the example target took 1.9x a 1-token forward (2-core EPYC, torch 2.13: 116 vs 60 ms), and no drafter could
 win. Packing each weight once into oneDNN's blocked layout -- what torch.compile's CPU "freezing" does -- took
 the same forwards to 67 vs 50 ms. The baseline and the speculative decoder share the packed target, so the
-speedup `eagle3 eval` reports still compares like with like.
+speedup `eagle3 eval` reports still compares like with like. One-row calls (target-only greedy, the drafter's
+steps) run whichever of the plain and the packed matmul is faster on this machine, timed per weight shape: a Xeon
+with AMX ran them faster plain, and target-only greedy should be the fastest it can be here.
 
 Inference only (no autograd), float32 only (bf16 packing needs CPU bf16 instructions these machines may lack),
 CPU only. The module keeps its `weight` (tied embeddings, get_output_embeddings and state_dict are unchanged);
@@ -29,21 +31,56 @@ def prepack_available() -> bool:
 def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
         return F.linear(x, self.weight, self.bias)  # packed weights carry no autograd
-    return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight, self.bias, "none", [], "")
+    if self._plain_single_row and x.numel() == self.in_features:
+        return F.linear(x, self.weight, self.bias)  # one row: the plain GEMV measured faster here (see below)
+    return _packed_matmul(x, self._packed_weight, self.bias)
 
 
-def prepack_linears(model: nn.Module, rows_hint: int = 8, check: bool = True) -> int:
+def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _single_row_plain_is_faster(w: torch.Tensor, packed: torch.Tensor, reps: int = 30) -> bool:
+    """Whether F.linear beats the packed matmul on one row of this weight's shape. Machine-dependent, so measured:
+    a 2-core EPYC ran the example target's one-token forward faster packed (50 vs 60 ms), a 2-core Xeon with AMX
+    slower (40.7 vs 34.5 ms) while packing still won its 6-token verify (50.0 vs 55.5 ms); both paths are fp32
+    GEMMs of the same weight. Best of `reps` calls each."""
+    import time
+    x = torch.randn(1, w.shape[1])
+    best = {}
+    with torch.no_grad():
+        for name, f in (("plain", lambda: F.linear(x, w)),
+                        ("packed", lambda: _packed_matmul(x, packed, None))):
+            f()
+            t_best = float("inf")
+            for _ in range(reps):
+                t = time.perf_counter()
+                f()
+                t_best = min(t_best, time.perf_counter() - t)
+            best[name] = t_best
+    return best["plain"] < best["packed"]
+
+
+def prepack_linears(model: nn.Module, rows_hint: int = 8, check: bool = True, single_row: str = "auto") -> int:
     """Replace the forward of every float32 CPU nn.Linear in `model` with a oneDNN prepacked matmul.
-    rows_hint: the matmul rows to pack for (decoding: K+1). Returns how many were packed; 0 where the backend
-    is missing (the model is then left exactly as it was)."""
+    rows_hint: the matmul rows to pack for (decoding: K+1). single_row: what a one-row call runs -- "auto" the
+    faster of the plain and packed matmul on this machine (timed once per weight shape), "packed" or "plain".
+    Returns how many were packed; 0 where the backend is missing (the model is then left exactly as it was)."""
+    if single_row not in ("auto", "packed", "plain"):
+        raise ValueError(f"single_row={single_row!r}: choose auto, packed or plain")
     if not prepack_available():
         return 0
     todo = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.device.type == "cpu"
             and m.weight.dtype == torch.float32 and not hasattr(m, "_packed_weight")]
     gen = torch.Generator().manual_seed(0)
+    plain_single_row: dict[tuple[int, int], bool] = {}  # by weight shape: timed once per shape
     for m in todo:
         w = m.weight.detach()
         m._packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, rows_hint)
+        if tuple(w.shape) not in plain_single_row:
+            plain_single_row[tuple(w.shape)] = single_row == "plain" or (
+                single_row == "auto" and _single_row_plain_is_faster(w, m._packed_weight))
+        m._plain_single_row = plain_single_row[tuple(w.shape)]
         m.forward = types.MethodType(_packed_forward, m)
         if check:
             x = torch.randn(3, m.in_features, generator=gen)

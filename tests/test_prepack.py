@@ -14,16 +14,19 @@ def _model(dtype=torch.float32):
     return nn.Sequential(nn.Linear(64, 96, bias=False), nn.SiLU(), nn.Linear(96, 80, bias=True)).to(dtype)
 
 
+@pytest.mark.parametrize("single_row", ["auto", "packed", "plain"])
 @pytest.mark.parametrize("rows", [1, 2, 6, 37])
-def test_prepacked_linears_match_float64(rows):
+def test_prepacked_linears_match_float64(rows, single_row):
     m = _model()
     ref = _model(torch.float64)  # same seed: same weights, in float64
-    x = torch.randn(2, rows, 64)
-    assert prepack_linears(m, rows_hint=6) == 2
+    x = torch.randn(1 if rows == 1 else 2, rows, 64)  # [1, 1, 64]: one row, the one-row path
+    assert prepack_linears(m, rows_hint=6, single_row=single_row) == 2
     assert all(hasattr(l, "_packed_weight") for l in (m[0], m[2]))
+    if single_row != "auto":
+        assert all(l._plain_single_row is (single_row == "plain") for l in (m[0], m[2]))
     with torch.no_grad():
         got, want = m(x), ref(x.double())
-    assert got.dtype == torch.float32 and got.shape == (2, rows, 80)
+    assert got.dtype == torch.float32 and got.shape == (x.shape[0], rows, 80)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -43,3 +46,34 @@ def test_prepacked_linear_still_trains_through_f_linear():
     x = torch.randn(4, 64)
     m(x).sum().backward()  # the packed op has no autograd: a grad-enabled call must take F.linear
     assert m[0].weight.grad is not None and m[2].weight.grad is not None
+
+
+def test_one_row_calls_take_the_path_chosen_for_them(monkeypatch):
+    """single_row="plain": a one-row call runs F.linear and a multi-row call the packed op; "packed": both packed.
+    Counted by wrapping the two ops, so a dispatch that ignored the choice fails here."""
+    import eagle3.target.prepack as P
+    calls = []
+    real_linear, real_packed = P.F.linear, P._packed_matmul
+
+    class Fwrap:
+        def __getattr__(self, name):
+            return getattr(torch.nn.functional, name)
+
+        @staticmethod
+        def linear(*a, **k):
+            calls.append("plain")
+            return real_linear(*a, **k)
+
+    for mode, want in [("plain", ["plain", "packed"]), ("packed", ["packed", "packed"])]:
+        m = nn.Linear(64, 96)
+        prepack_linears(m, single_row=mode, check=False)
+        monkeypatch.setattr(P, "F", Fwrap())
+        monkeypatch.setattr(P, "_packed_matmul", lambda *a: (calls.append("packed"), real_packed(*a))[1])
+        calls.clear()
+        with torch.no_grad():
+            m(torch.randn(1, 64))
+            m(torch.randn(6, 64))
+        monkeypatch.undo()
+        assert calls == want, mode
+    with pytest.raises(ValueError, match="single_row"):
+        prepack_linears(nn.Linear(4, 4), single_row="fast")

@@ -25,3 +25,9 @@ def test_quickstart_reduced(tmp_path):
     assert regen["backend"] == "hf" and regen["sampling"]["temperature"] == 0
     assert summary["dump_totals"]["samples"] == regen["counts"]["conversations"] >= 4   # the dump read the target's answers
     assert summary["heldout_replay"]["decode_steps"] == 3                             # training's decoding replay ran
+    # training's dtype follows this CPU's GEMMs (core/cpu.py), and the run trained in it; the eval stays fp32
+    from eagle3.cpu import cpu_prefers_bf16
+    want = "bf16" if cpu_prefers_bf16() else "fp32"
+    assert summary["dtypes"] == {"regenerate": "fp32", "dump": "fp32", "train": want, "eval": "fp32"}
+    run = json.load(open(os.path.join(out, "run", "run.json")))
+    assert run["train"]["bf16"] is (want == "bf16")
