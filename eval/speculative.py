@@ -253,6 +253,9 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
         "baseline_tokens_per_s": base_tokens / base_time if base_time else 0.0,
         "spec_tokens_per_s": total.new_tokens / spec_time if spec_time else 0.0,
         "prepacked_linears": packed,
+        # of those, the ones whose one-row calls (the baseline's steps, the drafter's) run plain: faster here
+        "one_row_plain_linears": sum(bool(getattr(m, "_plain_single_row", False))
+                                     for model in (target, drafter) for m in model.modules()),
         "lossless": not mismatches, "mismatches": mismatches,
         # each prompt's target-only greedy answer and its rounds (bench/replay_vs_eval.py matches them against the
         # answers training replayed)

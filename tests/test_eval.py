@@ -74,6 +74,7 @@ def test_speculative_decoding_is_lossless_and_accepts(word_target, distilled, tr
                         accepted=[sum(c) for c in zip(*(p["accepted"] for p in pp))])
     assert pooled.rates == rep["acceptance_rate_per_position"]
     assert rep["prepacked_linears"] > 0 and rep["spec_tokens_per_s"] > 0  # CPU fp32: oneDNN prepacked weights
+    assert 0 <= rep["one_row_plain_linears"] <= rep["prepacked_linears"]
 
 
 def test_an_export_with_shifted_ids_accepts_clearly_less(word_target, distilled, trained_export, tmp_path):
