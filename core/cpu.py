@@ -2,7 +2,7 @@
 
 Why: the same 2-core machine type has come as an AMD EPYC without bf16 instructions (bf16 GEMMs at a quarter of
 fp32's rate) and as an Intel Xeon with AMX tiles (bf16 GEMMs 6-12x fp32's rate; bench/quality.md, rows L).
-The quickstart's CPU defaults (regeneration, dump and training dtype) follow whichever this machine is. A flag
+The quickstart's CPU training dtype and data sizes follow whichever this machine is. A flag
 check (`torch.cpu._is_amx_tile_supported`, private) says what the chip has, not what oneDNN makes of it through a
 hypervisor, so this times the drafter's own GEMM shape in both dtypes: ~50 ms, once per process.
 """
