@@ -15,17 +15,22 @@ import time
 import torch
 
 
+def best_seconds(f, reps: int) -> float:
+    """The fastest of `reps` timed calls of f(), after one untimed call (oneDNN's kernel choice and any JIT)."""
+    f()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def _gemm_seconds(dtype: torch.dtype, rows: int, k: int, n: int, reps: int) -> float:
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(rows, k, generator=gen).to(dtype)
     w = torch.randn(n, k, generator=gen).to(dtype)
-    torch.nn.functional.linear(a, w)  # first call: oneDNN's kernel choice and any JIT
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        torch.nn.functional.linear(a, w)
-        best = min(best, time.perf_counter() - t)
-    return best
+    return best_seconds(lambda: torch.nn.functional.linear(a, w), reps)
 
 
 @functools.lru_cache(maxsize=None)

@@ -45,20 +45,10 @@ def _single_row_plain_is_faster(w: torch.Tensor, packed: torch.Tensor, reps: int
     a 2-core EPYC ran the example target's one-token forward faster packed (50 vs 60 ms), a 2-core Xeon with AMX
     slower (40.7 vs 34.5 ms) while packing still won its 6-token verify (50.0 vs 55.5 ms); both paths are fp32
     GEMMs of the same weight. Best of `reps` calls each."""
-    import time
+    from eagle3.cpu import best_seconds
     x = torch.randn(1, w.shape[1])
-    best = {}
     with torch.no_grad():
-        for name, f in (("plain", lambda: F.linear(x, w)),
-                        ("packed", lambda: _packed_matmul(x, packed, None))):
-            f()
-            t_best = float("inf")
-            for _ in range(reps):
-                t = time.perf_counter()
-                f()
-                t_best = min(t_best, time.perf_counter() - t)
-            best[name] = t_best
-    return best["plain"] < best["packed"]
+        return best_seconds(lambda: F.linear(x, w), reps) < best_seconds(lambda: _packed_matmul(x, packed, None), reps)
 
 
 def prepack_linears(model: nn.Module, rows_hint: int = 8, check: bool = True, single_row: str = "auto") -> int:
