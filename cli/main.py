@@ -333,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-tokens", default=None, choices=["assistant", "all"],
                    help="train: learn at the assistant's tokens only (the trainer's default) or at every real token")
     p.add_argument("--max-turns", type=int, default=q.max_turns, help="regenerate: assistant turns per conversation")
-    p.add_argument("--train-steps", type=int, default=None, help="default: 2000 on a GPU; on a CPU 700 with fast bf16 GEMMs, else 500")
+    p.add_argument("--train-steps", type=int, default=None,
+                   help="default: 2000 on a GPU; on a CPU 700 with fast bf16 GEMMs, else 500")
     p.add_argument("--token-budget", type=int, default=None, help="padded tokens per training step")
     p.add_argument("--draft-vocab-size", type=int, default=None, help="default: 2048 on a CPU, the preset's on a GPU")
     p.add_argument("--lr", type=float, default=None, help="default: the example training preset's")

