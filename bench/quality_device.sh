@@ -23,22 +23,20 @@ export WANDB_MODE=disabled PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
 S=/root/stage
 Q=${Q:-/root/quality}
 qs() {  # the quickstart at its GPU size (resumes every stage when rerun), its summary, and the same-prompt replay
+  local p=${QP:-}  # prefix of what this run leaves under $OUT (pair mode runs two at once)
   # shellcheck disable=SC2086
   python3 -m eagle3.cli quickstart --out $Q --data /root/sharegpt_prompts.jsonl --draft-steps ${K:-7} \
       --eval-prompts ${NP:-30} --max-new-tokens 128 ${QS_ARGS:-} 2>&1 \
       | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v -E "it/s\]|tok/s\]|step/s\]|conv/s\]|prompt/s\]|conv\]" \
-      | tee -a $OUT/quickstart.log
-  cp $Q/summary.json $Q/run/metrics.jsonl $Q/regen/regenerate.json $OUT/ || true
+      | tee -a $OUT/${p}quickstart.log
+  for f in $Q/summary.json $Q/run/metrics.jsonl $Q/regen/regenerate.json; do cp $f $OUT/$p$(basename $f) || true; done
   # the target's answers travel back (gzip, < 16 MiB) so that a later session can train on them without regenerating
   [ -L $Q/regen ] || gzip -c $Q/regen/conversations.jsonl > $OUT/regen_conversations.jsonl.gz || true
-  cp $Q/eval/eval.json $OUT/eval_k${K:-7}.json || true
-  python3 bench/replay_vs_eval.py --quickstart $Q --out $OUT/replay_vs_eval.json 2>&1 | tail -6 \
-      | tee $OUT/replay_vs_eval.log || true
+  cp $Q/eval/eval.json $OUT/${p}eval_k${K:-7}.json || true
+  python3 bench/replay_vs_eval.py --quickstart $Q --out $OUT/${p}replay_vs_eval.json 2>&1 | tail -6 \
+      | tee $OUT/${p}replay_vs_eval.log || true
 }
-case "${1:-run}" in
-stage)
-  mkdir -p $S && cp .stage1/* $S/ && ls -la $S ;;
-run)
+install() {  # the wheels, this checkout, the example GGUF from its two staged parts, the prompts, staged answers
   cp .stage2/* $S/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null
@@ -51,7 +49,30 @@ run)
     cp $S/regenerate.json $Q/regen/
   fi
   python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
+}
+case "${1:-run}" in
+stage)
+  mkdir -p $S && cp .stage1/* $S/ && ls -la $S ;;
+install)  # the install alone (then e.g. bench/decode_overhead.py with PYTHONPATH=/tmp/site)
+  install ;;
+run)
+  install
   time qs ;;
+pair)  # the base quickstart and one variant of it on the same GPU at once (their stage times are then not each
+       # one's own): the variant (${Q}_$TAG, quickstart flags VARIANT_ARGS added to QS_ARGS) trains on the base's
+       # answers and dump once the base has reached its training. Carry .stage2 and .whl the first time; rerun to
+       # resume both where the call's time limit stopped them.
+  [ -d /tmp/site/eagle3 ] || install
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null
+  base=$Q; vq=${Q}_${TAG:?TAG names the variant}
+  (time qs) > /dev/null 2>&1 &
+  until grep -q "\[4/7\]" $OUT/quickstart.log 2>/dev/null; do
+    sleep 5; kill -0 $! 2>/dev/null || { echo "the base quickstart stopped before training" >&2; exit 1; }
+  done
+  mkdir -p $vq && ln -sfn $base/regen $vq/regen && ln -sfn $base/dump $vq/dump
+  Q=$vq QP=${TAG}_ QS_ARGS="${QS_ARGS:-} ${VARIANT_ARGS:-}" qs > /dev/null 2>&1 &
+  wait
+  tail -4 $OUT/quickstart.log $OUT/${TAG}_quickstart.log ;;
 retrain)  # the same answers and dump, another training recipe (QS_ARGS): a new run, export and eval
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null
   base=$Q; Q=${Q}_${TAG:?TAG names the variant}; mkdir -p $Q

@@ -338,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-budget", type=int, default=None, help="padded tokens per training step")
     p.add_argument("--draft-vocab-size", type=int, default=None, help="default: 2048 on a CPU, the preset's on a GPU")
     p.add_argument("--lr", type=float, default=None, help="default: the example training preset's")
+    p.add_argument("--drafter", default=None,
+                   help="train: a configs/drafters preset (default: the example training preset's, smollm2-135m)")
     p.add_argument("--ttt-steps", type=int, default=None,
                    help="training-time-test unroll (default: --draft-steps on a CPU, the preset's on a GPU)")
     p.add_argument("--draft-steps", type=int, default=q.draft_steps, help="chain length in the eval")

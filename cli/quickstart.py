@@ -35,6 +35,7 @@ class QuickstartConfig:
     token_budget: int | None = None  # padded tokens per step; default 1024 on a CPU, 8192 on a GPU
     draft_vocab_size: int | None = None  # default: 2048 on a CPU (cheaper head), the drafter preset's on a GPU
     lr: float | None = None          # default: the example training preset's
+    drafter: str | None = None       # a configs/drafters preset; default: the example training preset's
     draft_steps: int = 5             # chain length in eval (and training's held-out decoding replay)
     ttt_steps: int | None = None     # training-time-test unroll; default: draft_steps on a CPU, the preset's on a GPU
     eval_prompts: int = 8
@@ -162,7 +163,8 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     train_refs, held_refs = split(dumps.refs, q.held_out_fraction, seed=0)
     # the size the trainer itself would pick (drafter preset, capped at the target's vocab); 2048 on a CPU, whose
     # draft head then costs less per draft step
-    n_vocab = drafter_config(TrainConfig(drafter=preset["drafter"],
+    drafter = q.drafter or preset["drafter"]
+    n_vocab = drafter_config(TrainConfig(drafter=drafter,
                                          draft_vocab_size=q.draft_vocab_size or (None if on_gpu else 2048)),
                              target, len(manifest.capture.hidden_state_indices)).draft_vocab_size
     vocab = build_vocab(dumps, train_refs, n_vocab, progress=q.progress)
@@ -174,7 +176,7 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     t0 = time.perf_counter()
     run_dir = os.path.join(q.out, "run")
     fields = {k: v for k, v in preset.items()}
-    fields.update(dump=[dump_dir], target=target, out=run_dir, vocab=vocab_path, max_steps=train_steps,
+    fields.update(drafter=drafter, dump=[dump_dir], target=target, out=run_dir, vocab=vocab_path, max_steps=train_steps,
                   draft_vocab_size=n_vocab, token_budget=token_budget, bf16=train_dtype == "bf16",
                   held_out_fraction=q.held_out_fraction, warmup_steps=min(20, train_steps // 10 + 1),
                   # checkpoints along the way (a run never ends with nothing saved), held-out decoding replays
