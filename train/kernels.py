@@ -262,28 +262,67 @@ def _fold_kv(g: torch.Tensor, n_rep: int) -> torch.Tensor:
     return g.view(B, nh // n_rep, n_rep, T, d).sum(2)
 
 
+# The diagonal keys are folded in one at a time, each read where it lies: stacking them ([j, B, h, T, d] copies of
+# the keys and values, then of their gradients) cost 2 x 6 x 2 GiB at step 6 of a 131,072-token sample at the Kimi
+# shape, which is where one H200 ran out of memory (bench/RESULTS.md). Their scores are only [B, h, T] each. Query
+# heads that share a kv head are viewed as [B, nkv, n_rep, T, d] against the key's [B, nkv, 1, T, d] instead of
+# repeating the key.
+
 @_fused
-def _merge_fwd(q, o_c, lse_c, kd, vd, scale: float):
-    """Fold the diagonal keys kd/vd [j, B, h, T, d] into the causal block's (o_c, lse_c): merged out, merged lse."""
+def _diag_score(q, k, scale: float):
+    """Score of each query against one diagonal key at its own position: [B, nh, T] in fp32 (or wider)."""
+    B, nh, T, d = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
-    s = (q.to(acc).unsqueeze(0) * kd.to(acc)).sum(-1) * scale             # [j, B, h, T]
-    lse = torch.logaddexp(lse_c.to(acc), torch.logsumexp(s, dim=0))
-    out = torch.exp(lse_c.to(acc) - lse).unsqueeze(-1) * o_c.to(acc) \
-        + (torch.exp(s - lse).unsqueeze(-1) * vd.to(acc)).sum(0)
-    return out.to(q.dtype), lse
+    s = (q.to(acc).view(B, k.shape[1], -1, T, d) * k.to(acc).unsqueeze(2)).sum(-1) * scale
+    return s.view(B, nh, T)
 
 
 @_fused
-def _merge_bwd(q, dout, out, lse, kd, vd, dq_causal, scale: float):
-    """The diagonal keys' share of the gradient, given the merged out/lse: (dq total, dk [j, ...], dv [j, ...])."""
+def _diag_fold(acc_o, s, lse, v):
+    """acc_o + softmax weight of this key (exp(s - lse), lse the merged one) times its value, in fp32 (or wider)."""
+    B, nh, T = s.shape
+    w = torch.exp(s - lse).view(B, v.shape[1], -1, T, 1)
+    return acc_o + (w * v.to(acc_o.dtype).unsqueeze(2)).view(acc_o.shape)
+
+
+@_fused
+def _diag_grads(q, dout, lse, D, k, v, scale: float):
+    """One diagonal key's share of the gradient given the merged lse and D = rowsum(dO * O): (dq share in fp32,
+    dk, dv), dk/dv summed over the query heads that share the key's kv head."""
+    B, nh, T, d = q.shape
+    nkv = k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
-    qf, df = q.to(acc), dout.to(acc)
-    D = (df * out.to(acc)).sum(-1)                                         # rowsum(dO * O) of the full softmax
-    kf = kd.to(acc)
-    p = torch.exp((qf.unsqueeze(0) * kf).sum(-1) * scale - lse)            # [j, B, h, T]
-    ds = p * ((df.unsqueeze(0) * vd.to(acc)).sum(-1) - D) * scale
-    dq = dq_causal.to(acc) + (ds.unsqueeze(-1) * kf).sum(0)
-    return dq.to(q.dtype), (ds.unsqueeze(-1) * qf).to(kd.dtype), (p.unsqueeze(-1) * df).to(vd.dtype)
+    qf, df = q.to(acc).view(B, nkv, -1, T, d), dout.to(acc).view(B, nkv, -1, T, d)
+    kf, vf = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)
+    p = torch.exp((qf * kf).sum(-1) * scale - lse.view(B, nkv, -1, T))            # [B, nkv, n_rep, T]
+    ds = (p * ((df * vf).sum(-1) - D.view(B, nkv, -1, T)) * scale).unsqueeze(-1)
+    dq = (ds * kf).view(B, nh, T, d)
+    return dq, (ds * qf).sum(2).to(k.dtype), (p.unsqueeze(-1) * df).sum(2).to(v.dtype)
+
+
+def _merge_fwd(q, o_c, lse_c, diag_k, diag_v, scale: float):
+    """Fold the diagonal keys into the causal block's (o_c, lse_c): merged out (q's dtype), merged lse."""
+    scores = [_diag_score(q, k, scale) for k in diag_k]
+    lse = lse_c.to(scores[0].dtype)
+    for s in scores:
+        lse = torch.logaddexp(lse, s)
+    acc_o = torch.exp(lse_c.to(lse.dtype) - lse).unsqueeze(-1) * o_c.to(lse.dtype)
+    for s, v in zip(scores, diag_v):
+        acc_o = _diag_fold(acc_o, s, lse, v)
+    return acc_o.to(q.dtype), lse
+
+
+def _merge_bwd(q, dout, out, lse, diag_k, diag_v, dq_causal, scale: float):
+    """The diagonal keys' share of the gradient, given the merged out/lse: (dq total, [dk], [dv])."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    D = (dout.to(acc) * out.to(acc)).sum(-1)                                    # rowsum(dO * O) of the full softmax
+    dq, dks, dvs = dq_causal.to(acc), [], []
+    for k, v in zip(diag_k, diag_v):
+        dq_i, dk, dv = _diag_grads(q, dout, lse, D, k, v, scale)
+        dq = dq + dq_i
+        dks.append(dk)
+        dvs.append(dv)
+    return dq.to(q.dtype), dks, dvs
 
 
 class _CausalPlusDiagonal(torch.autograd.Function):
@@ -307,15 +346,12 @@ class _CausalPlusDiagonal(torch.autograd.Function):
             o_c, lse_c = o_m, lse.to(lse_c.dtype).contiguous()
         if j == 0:
             out, lse = o_c, lse_c
-            kd = vd = None
         else:
-            kd = torch.stack([repeat_kv(k, n_rep) for k in diag[:j]])
-            vd = torch.stack([repeat_kv(v, n_rep) for v in diag[j:]])
-            merged, lse = _merge_fwd(q, o_c, lse_c, kd, vd, scale)
+            merged, lse = _merge_fwd(q, o_c, lse_c, diag[:j], diag[j:], scale)
             out = torch.empty_strided(o_c.shape, o_c.stride(), dtype=o_c.dtype, device=o_c.device)
             out.copy_(merged)  # keep the kernel's own layout: its backward is handed this tensor
             lse = lse.to(lse_c.dtype).contiguous()
-        ctx.save_for_backward(q, k0, v0, out, lse, *([kp, vp] if has_prefix else []), *([kd, vd] if j else []))
+        ctx.save_for_backward(q, k0, v0, out, lse, *([kp, vp] if has_prefix else []), *diag)
         ctx.state, ctx.p_state, ctx.scale, ctx.n_rep, ctx.j, ctx.has_prefix = state, p_state, scale, n_rep, j, has_prefix
         return out
 
@@ -339,10 +375,7 @@ class _CausalPlusDiagonal(torch.autograd.Function):
             gp = (_fold_kv(dkp, n_rep), _fold_kv(dvp, n_rep))
         gk = gv = ()
         if j:
-            kd, vd = kv
-            dq, dkd, dvd = _merge_bwd(q, dout, out, lse, kd, vd, dq, scale)
-            gk = tuple(_fold_kv(g, n_rep) for g in dkd.unbind(0))
-            gv = tuple(_fold_kv(g, n_rep) for g in dvd.unbind(0))
+            dq, gk, gv = _merge_bwd(q, dout, out, lse, kv[:j], kv[j:], dq, scale)
         return (None, None, None, dq, _fold_kv(dk0, n_rep), _fold_kv(dv0, n_rep), *gk, *gv, *gp)
 
 
