@@ -16,7 +16,7 @@ on the CPU; bench/train_step.py on the GPU), but saves fewer activations and syn
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -415,26 +415,30 @@ class _LinearSoftCE(torch.autograd.Function):
         K = len(xs)
         acc = torch.promote_types(weight.dtype, torch.float32)
         gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if grad and weight.requires_grad else None
-        gxs = []
+        gxs = [torch.empty_like(x) if grad and x.requires_grad else None for x in xs]
         loss = torch.zeros((), dtype=acc, device=weight.device)
         ce_sum = torch.zeros(K, dtype=torch.float64, device=weight.device)
         correct = torch.zeros(K, dtype=torch.float64, device=weight.device)
-        for jj, x in enumerate(xs):
-            gx = torch.empty_like(x) if grad and x.requires_grad else None
-            for s in range(0, x.shape[0], chunk):
+        M = teacher_argmax.shape[0]
+        for s in range(0, xs[0].shape[0], chunk):
+            # Every step's teacher rows for this chunk of positions lie in [s, s + chunk + K] (u = t + 1 + j,
+            # clamped at each row's end): one window of the teacher serves all K steps.
+            lo, hi = s, min(M, s + chunk + K)
+            p_win = teacher_p(lo, hi) if callable(teacher_p) else teacher_p[lo:hi]
+            for jj, x in enumerate(xs):
                 xc = x[s:s + chunk]
                 r = rows[jj, s:s + chunk]
-                l_part, ce_part, hits, g = _soft_ce_chunk(xc @ weight.T, teacher_p.index_select(0, r),
+                l_part, ce_part, hits, g = _soft_ce_chunk(xc @ weight.T, p_win.index_select(0, r - lo),
                                                           row_weights[jj, s:s + chunk], valid[jj, s:s + chunk],
                                                           teacher_argmax.index_select(0, r))
                 loss += l_part
                 ce_sum[jj] += ce_part
                 correct[jj] += hits
-                if gx is not None:
-                    gx[s:s + chunk] = g @ weight
+                if gxs[jj] is not None:
+                    gxs[jj][s:s + chunk] = g @ weight
                 if gw is not None:
                     gw += (g.T @ xc).to(acc)
-            gxs.append(gx)
+            del p_win
         ctx.save_for_backward(gw if gw is not None else torch.empty(0), *[g if g is not None else torch.empty(0)
                                                                           for g in gxs])
         ctx.has_gw, ctx.has_gx = gw is not None, [g is not None for g in gxs]
@@ -449,14 +453,18 @@ class _LinearSoftCE(torch.autograd.Function):
         return (dw, None, None, None, None, None, None, None, *out)
 
 
-def linear_soft_cross_entropy(xs: Sequence[torch.Tensor], weight: torch.Tensor, teacher_p: torch.Tensor,
+def linear_soft_cross_entropy(xs: Sequence[torch.Tensor], weight: torch.Tensor,
+                              teacher_p: torch.Tensor | Callable[[int, int], torch.Tensor],
                               teacher_argmax: torch.Tensor, rows: torch.Tensor, row_weights: torch.Tensor,
                               valid: torch.Tensor, chunk: int = 4096):
     """Weighted soft cross-entropy of K heads sharing one lm_head, without keeping any logits.
 
-    xs: K tensors [N, H] (normed draft states); weight [V, H]; teacher_p [M, V] (rows sum to 1) and teacher_argmax
-    [M] (draft ids); rows [K, N] long: the teacher row of each (step, token); row_weights [K, N]: the loss weight of
-    each (e.g. decay^j / count_j, 0 where not counted); valid [K, N] bool: counted in the metrics.
+    xs: K tensors [N, H] (normed draft states); weight [V, H]; teacher_p [M, V] (rows sum to 1), or a function
+    (lo, hi) -> its rows lo..hi-1, computed as the loss reaches them (a whole [M, V] teacher in fp32 is 16 GiB at
+    131,072 tokens and a 32,000-token draft vocab); teacher_argmax [M] (draft ids); rows [K, N] long: the teacher
+    row of each (step, token), which must lie in [n, n + K] for token n (u = t + 1 + j, clamped at a row's end);
+    row_weights [K, N]: the loss weight of each (e.g. decay^j / count_j, 0 where not counted); valid [K, N] bool:
+    counted in the metrics.
     Returns (loss = sum row_weights * ce, ce_sum [K] fp64 over valid, correct [K] fp64: argmax hits over valid).
     """
     # Gradients are computed in forward only when a backward can follow (not under no_grad, e.g. held-out eval).
