@@ -30,7 +30,7 @@ def main():
     ap.add_argument("--tokens", default="65536,131072")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--steps", type=int, default=7)
-    ap.add_argument("--checkpointing", default="step", choices=["none", "mlp", "step"])
+    ap.add_argument("--checkpointing", default="step", choices=["none", "mlp", "step", "step_mlp"])
     a = ap.parse_args()
     rank, local = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)

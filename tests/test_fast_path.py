@@ -104,7 +104,7 @@ def test_fast_ttt_matches_dense_reference(kv_heads):
         torch.testing.assert_close(outs[j][am.bool()], ref[j][am.bool()], rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("mode", ["none", "mlp", "step"])
+@pytest.mark.parametrize("mode", ["none", "mlp", "step", "step_mlp"])
 def test_fast_ttt_gradients_equal_plain(mode):
     d = make_drafter()
     aux, ids, am = batch(d)
@@ -280,7 +280,9 @@ def test_train_step_uses_the_fast_path_below_zero3_and_refuses_step_checkpointin
     assert not plain.fast and plain.draft_head is None
     with pytest.raises(ValueError, match="fast path"):
         DrafterTrainStep(d, head, TrainConfig(zero_stage=3, activation_checkpointing="step"))
-    with pytest.raises(ValueError, match="none, mlp or step"):
+    with pytest.raises(ValueError, match="fast path"):
+        DrafterTrainStep(d, head, TrainConfig(zero_stage=3, activation_checkpointing="step_mlp"))
+    with pytest.raises(ValueError, match="none, mlp, step, step_mlp"):
         TrainConfig(activation_checkpointing="sometimes")
     with pytest.raises(ValueError, match="attention_kernel 'fa3'"):
         TrainConfig(attention_kernel="fa3")

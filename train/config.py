@@ -85,7 +85,7 @@ class TrainConfig:
     log_interval: int = _opt(10, "steps pooled per metrics line (the only host sync of the loop)")
     num_workers: int = _opt(2, "data-loader worker processes")
     activation_checkpointing: str = _opt("none", "none | mlp (recompute gate/up) | step (recompute whole TTT "
-                                                 "steps; needs the fast path)")
+                                                 "steps; needs the fast path) | step_mlp (both: least memory)")
     fast_path: bool = _opt(True, "train/kernels.py forward + fused loss (ZeRO 0-2; ZeRO-3 uses the plain path)")
     sequence_parallel: int = _opt(1, "ranks that split every batch's positions between them (contiguous chunks, "
                                      "train/sequence_parallel.py): for samples longer than one GPU holds. Groups of "

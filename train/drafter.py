@@ -163,15 +163,16 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
-CHECKPOINTING = ("none", "mlp", "step")
+CHECKPOINTING = ("none", "mlp", "step", "step_mlp")
 
 
 def checkpointing_mode(value) -> str:
-    """'none', 'mlp' (recompute gate/up in backward) or 'step' (recompute whole TTT steps: least memory); the
+    """'none', 'mlp' (recompute gate/up in backward), 'step' (recompute whole TTT steps) or 'step_mlp' (both: the
+    step's recompute keeps no [T, 2 x intermediate] gate/up either, for one more gate/up matmul; least memory); the
     booleans of the older switch (True = 'mlp') are accepted."""
     a = {True: "mlp", False: "none", None: "none", "true": "mlp", "false": "none"}.get(value, value)
     if a not in CHECKPOINTING:
-        raise ValueError(f"activation_checkpointing must be none, mlp or step; got {value!r}")
+        raise ValueError(f"activation_checkpointing must be one of {', '.join(CHECKPOINTING)}; got {value!r}")
     return a
 
 
@@ -537,7 +538,8 @@ class Eagle3Drafter(nn.Module):
                                      (kp, vp) if kp is not None else None)
             r = attn.out(o) + h
             n2 = rms_norm(r, ml.post_attention_layernorm.weight, eps)
-            z = torch.utils.checkpoint.checkpoint(gate_up, n2, use_reentrant=False) if mode == "mlp" else gate_up(n2)
+            z = torch.utils.checkpoint.checkpoint(gate_up, n2, use_reentrant=False) if mode in ("mlp", "step_mlp") \
+                else gate_up(n2)
             return ml.mlp.down_proj(z) + r, k, v
 
         h = self.project_aux(hidden_state)
@@ -552,7 +554,7 @@ class Eagle3Drafter(nn.Module):
         for j in range(steps):
             args = (j, h, keys[0] if keys else None, values[0] if values else None, tuple(keys), tuple(values),
                     qkv0 if j == 0 else None, kp, vp)
-            if mode == "step":
+            if mode in ("step", "step_mlp"):
                 h, k, v = torch.utils.checkpoint.checkpoint(step, *args, use_reentrant=False)
             else:
                 h, k, v = step(*args)

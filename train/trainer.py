@@ -57,9 +57,9 @@ class DrafterTrainStep(nn.Module):
         self.fast = bool(cfg.fast_path) and cfg.zero_stage < 3
         self.sp_group = None  # sequence parallel: this rank's group (set by train())
         kernels.set_cuda_attention_kernel(cfg.attention_kernel)
-        if not self.fast and cfg.activation_checkpointing == "step":
-            raise ValueError("--activation-checkpointing step needs the fast path (--fast-path, ZeRO 0-2); "
-                             "the plain path recomputes the MLP only ('mlp')")
+        if not self.fast and cfg.activation_checkpointing in ("step", "step_mlp"):
+            raise ValueError(f"--activation-checkpointing {cfg.activation_checkpointing} needs the fast path "
+                             "(--fast-path, ZeRO 0-2); the plain path recomputes the MLP only ('mlp')")
         self.register_buffer("target_lm_head", target_lm_head, persistent=False)
         draft_rows = target_lm_head[drafter.t2d.to(target_lm_head.device)].clone() if self.fast else None
         self.register_buffer("draft_head", draft_rows, persistent=False)
