@@ -273,16 +273,16 @@ def _diag_score(q, k, scale: float):
     """Score of each query against one diagonal key at its own position: [B, nh, T] in fp32 (or wider)."""
     B, nh, T, d = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
-    s = (q.to(acc).view(B, k.shape[1], -1, T, d) * k.to(acc).unsqueeze(2)).sum(-1) * scale
-    return s.view(B, nh, T)
+    s = (q.to(acc).reshape(B, k.shape[1], -1, T, d) * k.to(acc).unsqueeze(2)).sum(-1) * scale
+    return s.reshape(B, nh, T)
 
 
 @_fused
 def _diag_fold(acc_o, s, lse, v):
     """acc_o + softmax weight of this key (exp(s - lse), lse the merged one) times its value, in fp32 (or wider)."""
     B, nh, T = s.shape
-    w = torch.exp(s - lse).view(B, v.shape[1], -1, T, 1)
-    return acc_o + (w * v.to(acc_o.dtype).unsqueeze(2)).view(acc_o.shape)
+    w = torch.exp(s - lse).reshape(B, v.shape[1], -1, T, 1)
+    return acc_o + (w * v.to(acc_o.dtype).unsqueeze(2)).reshape(acc_o.shape)
 
 
 @_fused
@@ -292,11 +292,11 @@ def _diag_grads(q, dout, lse, D, k, v, scale: float):
     B, nh, T, d = q.shape
     nkv = k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
-    qf, df = q.to(acc).view(B, nkv, -1, T, d), dout.to(acc).view(B, nkv, -1, T, d)
+    qf, df = q.to(acc).reshape(B, nkv, -1, T, d), dout.to(acc).reshape(B, nkv, -1, T, d)
     kf, vf = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)
-    p = torch.exp((qf * kf).sum(-1) * scale - lse.view(B, nkv, -1, T))            # [B, nkv, n_rep, T]
-    ds = (p * ((df * vf).sum(-1) - D.view(B, nkv, -1, T)) * scale).unsqueeze(-1)
-    dq = (ds * kf).view(B, nh, T, d)
+    p = torch.exp((qf * kf).sum(-1) * scale - lse.reshape(B, nkv, -1, T))            # [B, nkv, n_rep, T]
+    ds = (p * ((df * vf).sum(-1) - D.reshape(B, nkv, -1, T)) * scale).unsqueeze(-1)
+    dq = (ds * kf).reshape(B, nh, T, d)
     return dq, (ds * qf).sum(2).to(k.dtype), (p.unsqueeze(-1) * df).sum(2).to(v.dtype)
 
 
