@@ -105,7 +105,9 @@ def test_fast_ttt_matches_dense_reference(kv_heads):
 
 
 @pytest.mark.parametrize("mode", ["none", "mlp", "step", "step_mlp"])
-def test_fast_ttt_gradients_equal_plain(mode):
+def test_fast_ttt_gradients_equal_plain(mode, monkeypatch):
+    import eagle3.train.drafter as drafter_module
+    monkeypatch.setattr(drafter_module, "MLP_CHUNK_TOKENS", 8)  # step_mlp: several chunks of the 2 x 11 tokens
     d = make_drafter()
     aux, ids, am = batch(d)
     w = [torch.randn(2, 11, 32, generator=torch.Generator().manual_seed(j), dtype=torch.float64) for j in range(4)]

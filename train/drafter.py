@@ -164,12 +164,16 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 CHECKPOINTING = ("none", "mlp", "step", "step_mlp")
+# 'step_mlp': tokens per MLP chunk. At 131,072 tokens and the Kimi shape the whole gate/up gradient alone is 9 GiB
+# ([T, 2 x 18432] bf16), which is where one H200 ran out of memory under 'step' (bench/RESULTS.md).
+MLP_CHUNK_TOKENS = 16384
 
 
 def checkpointing_mode(value) -> str:
-    """'none', 'mlp' (recompute gate/up in backward), 'step' (recompute whole TTT steps) or 'step_mlp' (both: the
-    step's recompute keeps no [T, 2 x intermediate] gate/up either, for one more gate/up matmul; least memory); the
-    booleans of the older switch (True = 'mlp') are accepted."""
+    """'none', 'mlp' (recompute gate/up in backward), 'step' (recompute whole TTT steps) or 'step_mlp' (whole steps,
+    and within each the MLP over chunks of MLP_CHUNK_TOKENS tokens, each chunk recomputed in its own backward: no
+    [T, 2 x intermediate] tensor at any point, for one more gate/up matmul; least memory); the booleans of the older
+    switch (True = 'mlp') are accepted."""
     a = {True: "mlp", False: "none", None: "none", "true": "mlp", "false": "none"}.get(value, value)
     if a not in CHECKPOINTING:
         raise ValueError(f"activation_checkpointing must be one of {', '.join(CHECKPOINTING)}; got {value!r}")
@@ -519,6 +523,9 @@ class Eagle3Drafter(nn.Module):
         def gate_up(n2):
             return silu_mul(n2 @ w_gu.T)
 
+        def mlp(n2):
+            return ml.mlp.down_proj(gate_up(n2))
+
         def project(j, h):  # step j's q, k, v (RoPE applied)
             qkv = e_qkv[:, j:j + T] + rms_norm(h, ml.hidden_norm.weight, eps) @ w_h.T
             q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
@@ -538,8 +545,11 @@ class Eagle3Drafter(nn.Module):
                                      (kp, vp) if kp is not None else None)
             r = attn.out(o) + h
             n2 = rms_norm(r, ml.post_attention_layernorm.weight, eps)
-            z = torch.utils.checkpoint.checkpoint(gate_up, n2, use_reentrant=False) if mode in ("mlp", "step_mlp") \
-                else gate_up(n2)
+            if mode == "step_mlp":  # the MLP over token chunks, each recomputed in its own backward
+                rows = max(1, MLP_CHUNK_TOKENS // n2.shape[0])
+                return torch.cat([torch.utils.checkpoint.checkpoint(mlp, c, use_reentrant=False)
+                                  for c in n2.split(rows, dim=1)], dim=1) + r, k, v
+            z = torch.utils.checkpoint.checkpoint(gate_up, n2, use_reentrant=False) if mode == "mlp" else gate_up(n2)
             return ml.mlp.down_proj(z) + r, k, v
 
         h = self.project_aux(hidden_state)
