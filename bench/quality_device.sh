@@ -63,8 +63,9 @@ pair)  # the base quickstart and one variant of it on the same GPU at once (thei
        # one's own): the variant (${Q}_$TAG, quickstart flags VARIANT_ARGS added to QS_ARGS) trains on the base's
        # answers and dump once the base has reached its training. Carry .stage3 and .whl the first time; rerun to
        # resume both where the call's time limit stopped them.
-  [ -d /tmp/site/eagle3 ] || install
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null
+  if [ -d /tmp/site/eagle3 ]; then  # installed by an earlier call: this checkout only
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null
+  else install; fi
   base=$Q; vq=${Q}_${TAG:?TAG names the variant}
   (time qs) > /dev/null 2>&1 &
   until grep -q "\[4/7\]" $OUT/quickstart.log 2>/dev/null; do

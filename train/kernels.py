@@ -303,10 +303,10 @@ def _diag_grads(q, dout, lse, D, k, v, scale: float):
 def _merge_fwd(q, o_c, lse_c, diag_k, diag_v, scale: float):
     """Fold the diagonal keys into the causal block's (o_c, lse_c): merged out (q's dtype), merged lse."""
     scores = [_diag_score(q, k, scale) for k in diag_k]
-    lse = lse_c.to(scores[0].dtype)
+    lse = lse_c0 = lse_c.to(scores[0].dtype)
     for s in scores:
         lse = torch.logaddexp(lse, s)
-    acc_o = torch.exp(lse_c.to(lse.dtype) - lse).unsqueeze(-1) * o_c.to(lse.dtype)
+    acc_o = torch.exp(lse_c0 - lse).unsqueeze(-1) * o_c.to(lse.dtype)
     for s, v in zip(scores, diag_v):
         acc_o = _diag_fold(acc_o, s, lse, v)
     return acc_o.to(q.dtype), lse

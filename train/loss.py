@@ -61,15 +61,15 @@ def teacher(target_hidden: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torc
 
 @torch.no_grad()
 def teacher_from_argmax(target_hidden: torch.Tensor, draft_head_weight: torch.Tensor, t2d_index: torch.Tensor,
-                        target_argmax: torch.Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, lazy: bool = False):
+                        target_argmax: torch.Tensor):
     """`teacher` when the full-vocab argmax was recorded at dump time: only the draft-vocab rows of the target head
     are multiplied (the renormalised teacher needs nothing else), so a step costs 2*H*Dv instead of 2*H*V per token.
 
     draft_head_weight [Dv, Ht] = lm_head_weight[draft ids]; t2d_index [V] long: draft id of each target id, -1 when
-    not a draft token; target_argmax [N] long. Same returns as `teacher`; with `lazy`, the probabilities come as a
-    function (lo, hi) -> rows lo..hi-1 (kernels.linear_soft_cross_entropy calls it chunk by chunk).
+    not a draft token; target_argmax [N] long. Returns as `teacher` does, except that the probabilities come as a
+    function (lo, hi) -> rows lo..hi-1, computed when kernels.linear_soft_cross_entropy reaches them (the whole
+    [N, Dv] fp32 teacher is 16 GiB for one 131,072-token sample at the Kimi shape).
     """
-    N = target_hidden.shape[0]
     acc = torch.promote_types(draft_head_weight.dtype, torch.float32)
     dev = draft_head_weight.device
 
@@ -79,13 +79,7 @@ def teacher_from_argmax(target_hidden: torch.Tensor, draft_head_weight: torch.Te
         return torch.softmax((hs @ draft_head_weight.T).to(acc), dim=-1)
 
     d = t2d_index.to(dev)[target_argmax.to(dev).long()]
-    if lazy:
-        return rows, d >= 0, d.clamp(min=0)
-    p = torch.empty(N, draft_head_weight.shape[0], dtype=acc, device=dev)
-    chunk = max(1, int(chunk_tokens))
-    for s in range(0, N, chunk):
-        p[s:s + chunk] = rows(s, s + chunk)
-    return p, d >= 0, d.clamp(min=0)
+    return rows, d >= 0, d.clamp(min=0)
 
 
 def draft_index(t2d: torch.Tensor) -> torch.Tensor:
@@ -245,10 +239,8 @@ def eagle3_loss_fused(drafter, step_outputs: Sequence[torch.Tensor], target_hidd
     if target_argmax is not None:
         if draft_head_weight is None:
             raise ValueError("target_argmax needs draft_head_weight (the draft-vocab rows of the target lm_head)")
-        # The teacher's rows are computed as the loss reaches them, not kept for the whole batch (the [B*T, draft
-        # vocab] fp32 teacher alone is 16 GiB for one 131,072-token sample at the Kimi shape).
         p_t, in_vocab, argmax_d = teacher_from_argmax(th, draft_head_weight, draft_index(drafter.t2d),
-                                                      target_argmax.reshape(-1), chunk_tokens, lazy=True)
+                                                      target_argmax.reshape(-1))
     else:
         p_t, in_vocab, argmax_d = teacher(th, lm_head_weight, drafter.t2d, chunk_tokens)
     valid_u = need & in_vocab.to(dev).view(B, T)
