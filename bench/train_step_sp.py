@@ -2,14 +2,16 @@
 """One EAGLE-3 training step of one long sequence at the Kimi-K2.5 drafter shape, split over N GPUs by sequence
 parallelism (train/sequence_parallel.py, fused path), against the same length on one GPU where it fits.
 
-  torchrun --nproc-per-node N bench/train_step_sp.py --out DIR [--tokens 65536,131072] [--iters 3]
+  torchrun --nproc-per-node N bench/train_step_sp.py --out DIR [--tokens 65536,131072] [--iters 3] [--pieces 1,2]
 
 Shape, synthetic batch, timing and MFU as bench/train_step.py (the same flops_per_token: model FLOPs of the whole
 sequence, so a split run and an unsplit one are compared on the same work), the GPU peak being N x the bf16 matmul
 rate measured here. Each rank runs its chunk; the step time is the slowest rank's. --checkpointing (default step,
 what fits 65,536 tokens on one H200) is not retried on running out of memory: a rank that fails mid-step would leave
 the others waiting in the group's collective. N = 1 runs the same code unsplit (a group of one). Writes
-DIR/train_step_sp.jsonl and prints a table.
+DIR/train_step_sp.jsonl and prints a table, a row as each length finishes. --pieces (one value, or one per length):
+each GPU takes its share in that many pieces one after another (sequence_pieces_loss: the memory of one piece,
+the same gradient); 1 = whole. With N = 1 a length that runs out of memory is recorded as such and the next runs.
 """
 import argparse
 import json
@@ -31,38 +33,64 @@ def main():
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--checkpointing", default="step", choices=["none", "mlp", "step", "step_mlp"])
+    ap.add_argument("--pieces", default="1", help="pieces per GPU share: one value, or one per --tokens entry")
     a = ap.parse_args()
+    lengths = list(map(int, a.tokens.split(",")))
+    pieces = list(map(int, a.pieces.split(",")))
+    pieces = pieces * len(lengths) if len(pieces) == 1 else pieces
+    if len(pieces) != len(lengths):
+        raise SystemExit("--pieces: one value, or one per --tokens entry")
     rank, local = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     n = dist.get_world_size()
-    from eagle3.train.sequence_parallel import sequence_parallel_loss
+    from eagle3.train.sequence_parallel import sequence_parallel_loss, sequence_pieces_loss
     drafter, head = build()
     draft_head = head[drafter.t2d.to(head.device)].clone()
     peak = matmul_peak() * n
     rows = []
-    for T in map(int, a.tokens.split(",")):
+    for T, P in zip(lengths, pieces):
         b = batch(T, head)
-        row = {"tokens": T, "gpus": n, "tokens_per_gpu": T // n, "K": a.steps}
+        row = {"tokens": T, "gpus": n, "tokens_per_gpu": T // n, "K": a.steps, "pieces": P}
         drafter.activation_checkpointing = a.checkpointing
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
         def step(ev=None):
-            loss, _ = sequence_parallel_loss(drafter, head, b["hidden_state"], b["input_ids"], b["loss_mask"],
-                                             b["target_hidden"], steps=a.steps, decay=0.8, chunk_tokens=4096,
-                                             attention_mask=b["attention_mask"], fast=True,
-                                             target_argmax=b["target_argmax"], draft_head=draft_head)
+            args = (drafter, head, b["hidden_state"], b["input_ids"], b["loss_mask"], b["target_hidden"])
+            kw = dict(steps=a.steps, decay=0.8, chunk_tokens=4096, attention_mask=b["attention_mask"], fast=True,
+                      target_argmax=b["target_argmax"], draft_head=draft_head)
+            if P > 1:
+                if n > 1:
+                    raise SystemExit("--pieces > 1 is for one GPU (the split over a group is sequence_parallel_loss)")
+                loss, _ = sequence_pieces_loss(*args, pieces=P, **kw)
+            else:
+                loss, _ = sequence_parallel_loss(*args, **kw)
             loss.backward()
             for p in drafter.parameters():
                 p.grad = None
-        (ms,), _ = timed(step, a.iters)
+        try:
+            (ms,), _ = timed(step, a.iters)
+        except torch.OutOfMemoryError as e:
+            if n > 1:
+                raise
+            row.update(checkpointing=a.checkpointing, error="out of memory", detail=str(e).split(". ")[:3],
+                       max_allocated_gib=round(torch.cuda.max_memory_allocated() / 2 ** 30, 1))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del b
+            for p in drafter.parameters():
+                p.grad = None
+            torch.cuda.empty_cache()
+            continue
         t = torch.tensor([ms, torch.cuda.max_memory_allocated() / 2 ** 30], device="cuda")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         ms, mem = t.tolist()
         fl = flops_per_token(T, a.steps)
         row.update(checkpointing=a.checkpointing, ms=round(ms, 1), tokens_per_s=round(T / (ms / 1e3)),
                    mfu=round(T * fl / (ms / 1e3) / peak, 3), peak_mem_gib_max_rank=round(mem, 1))
+        if rank == 0:
+            print(json.dumps(row), flush=True)
         rows.append(row)
         del b
     if rank == 0:
@@ -72,10 +100,13 @@ def main():
         with open(os.path.join(a.out, "train_step_sp.jsonl"), "a") as f:
             for r in rows:
                 f.write(json.dumps({**meta, **r}) + "\n")
-        print(f"{'tokens':>8}{'gpus':>5}{'ckpt':>6}{'ms':>10}{'tok/s':>9}{'MFU':>7}{'GiB':>7}")
+        print(f"{'tokens':>8}{'gpus':>5}{'pieces':>7}{'ckpt':>9}{'ms':>10}{'tok/s':>9}{'MFU':>7}{'GiB':>7}")
         for r in rows:
-            print(f"{r['tokens']:>8}{r['gpus']:>5}{r['checkpointing']:>6}{r['ms']:>10}{r['tokens_per_s']:>9}"
-                  f"{r['mfu']:>7}{r['peak_mem_gib_max_rank']:>7}")
+            if "error" in r:
+                print(f"{r['tokens']:>8}{r['gpus']:>5}{r['pieces']:>7}{r['checkpointing']:>9}  {r['error']}")
+                continue
+            print(f"{r['tokens']:>8}{r['gpus']:>5}{r['pieces']:>7}{r['checkpointing']:>9}{r['ms']:>10}"
+                  f"{r['tokens_per_s']:>9}{r['mfu']:>7}{r['peak_mem_gib_max_rank']:>7}")
     dist.destroy_process_group()
 
 

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from eagle3.train.loss import eagle3_loss
-from eagle3.train.sequence_parallel import chunk_of, halo, sequence_parallel_loss
+from eagle3.train.sequence_parallel import chunk_of, halo, sequence_parallel_loss, sequence_pieces_loss
 
 from test_drafter import make_drafter
 
@@ -103,17 +103,64 @@ def test_split_step_equals_the_unsplit_step(size, fast, checkpointing, tmp_path)
         torch.testing.assert_close(got[f"grad.{n}"], g, rtol=1e-10, atol=1e-12, msg=n)
 
 
+@pytest.mark.parametrize("pieces,fast,checkpointing,argmax", [(2, False, "none", False), (3, False, "mlp", False),
+                                                              (2, True, "step", True), (3, True, "step_mlp", False)])
+def test_pieces_on_one_process_give_the_unsplit_step(pieces, fast, checkpointing, argmax):
+    """One process taking the row in 2 or 3 pieces, each with its own backward (the earlier pieces' keys as leaves
+    whose gradients reach those pieces later): the unsplit loss, metrics and gradients in float64, on the plain path
+    and on the fused kernels with step / step_mlp checkpointing (the dumped full-vocab argmax with the draft rows of
+    the head in one case). A piece that lost the gradient later pieces put on its keys would fail the k/v grads."""
+    ref_loss, ref_m, ref_grads = unsplit()
+    s, d = sample(), make_drafter()
+    d.activation_checkpointing = checkpointing
+    extra = {}
+    if argmax:
+        extra = dict(target_argmax=(s["target_hidden"] @ s["lm_head"].T).argmax(-1), draft_head=s["lm_head"][d.t2d])
+    loss, m = sequence_pieces_loss(d, s["lm_head"], s["hidden_state"], s["input_ids"], s["loss_mask"],
+                                   s["target_hidden"], pieces=pieces, steps=K, decay=DECAY, chunk_tokens=CHUNK,
+                                   fast=fast, **extra)
+    assert all(p.grad is None for p in d.parameters())  # the earlier pieces' gradients wait for this backward
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-12, atol=1e-12)
+    assert torch.equal(m["count"], ref_m["count"]) and torch.equal(m["correct"], ref_m["correct"])
+    torch.testing.assert_close(m["ce_sum"], ref_m["ce_sum"], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(m["acceptance_length"], ref_m["acceptance_length"], rtol=1e-12, atol=1e-12)
+    for n, p in d.named_parameters():
+        if p.requires_grad:
+            assert ref_grads[n].abs().max() > 0, n
+            torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_step_counts_are_the_unsplit_denominators():
+    from eagle3.train.loss import step_counts
+    s, d = sample(), make_drafter()
+    _, ref_m, _ = unsplit()
+    got = step_counts(d.t2d, (s["target_hidden"] @ s["lm_head"].T).argmax(-1), s["loss_mask"], None, K)
+    assert torch.equal(got, ref_m["count"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", [("--no-fast-path",), ("--fast-path", "--aux-noise", "0.3")], ids=["plain", "fast+noise"])
 def test_training_with_sequence_parallel_2_equals_one_process(tiny_dump, tiny_targets, tmp_path, path):
     """`deepspeed --num_gpus 2 -m eagle3.train --sequence-parallel 2`: both ranks split every batch (one data-parallel
     group), and the run's losses, held-out evaluation and weights are those of one process training unsplit
-    (--aux-noise too: the group's ranks draw the same noise for their one batch)."""
+    (--aux-noise too: the group's ranks draw the same noise for their one batch). So are one process's with
+    `--sequence-pieces 3` (its earlier pieces' gradients reach ZeRO-2's buckets through the engine's backward)."""
     from test_train import launch, metrics
     args = ("--zero-stage", "2", "--max-steps", 4, "--save-interval", 4, *path)
     launch(1, tiny_dump, tiny_targets["llama"], tmp_path / "one", *args)
     launch(2, tiny_dump, tiny_targets["llama"], tmp_path / "sp2", *args, "--sequence-parallel", 2)
-    a, b = metrics(tmp_path / "one"), metrics(tmp_path / "sp2")
+    launch(1, tiny_dump, tiny_targets["llama"], tmp_path / "pieces3", *args, "--sequence-pieces", 3)
+    a, c = metrics(tmp_path / "one"), metrics(tmp_path / "pieces3")
+    assert [r["step"] for r in c] == [1, 2, 3, 4]
+    for ra, rc in zip(a, c):
+        assert rc["loss"] == pytest.approx(ra["loss"], rel=1e-5) and rc["tokens"] == ra["tokens"]
+        assert rc["acc_j"] == pytest.approx(ra["acc_j"], abs=1e-12)
+    wa = load_file(str(tmp_path / "one" / "checkpoints" / "step00000004" / "drafter.safetensors"))
+    wc = load_file(str(tmp_path / "pieces3" / "checkpoints" / "step00000004" / "drafter.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wc[k], wa[k], atol=1e-5, rtol=1e-4, msg=k)
+    b = metrics(tmp_path / "sp2")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
         assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5) and rb["tokens"] == ra["tokens"]

@@ -101,6 +101,16 @@ def teacher_positions(loss_mask: torch.Tensor, attention_mask: torch.Tensor | No
     return need
 
 
+def step_counts(t2d: torch.Tensor, target_argmax: torch.Tensor, loss_mask: torch.Tensor,
+                attention_mask: torch.Tensor | None, steps: int) -> torch.Tensor:
+    """[K] float64: the pairs (t, j) each TTT step counts over whole rows, i.e. the unsplit loss's denominators
+    (the `count` metric of eagle3_loss / eagle3_loss_fused). target_argmax [B, T]: the target's full-vocab argmax
+    (the vocab condition). Step j at t is taught at u = t + 1 + j, so it counts the valid u >= 1 + j."""
+    dev = loss_mask.device
+    valid_u = teacher_positions(loss_mask, attention_mask, dev) & t2d.to(dev).bool()[target_argmax.to(dev).long()]
+    return torch.stack([valid_u[:, 1 + j:].sum() for j in range(steps)]).to(torch.float64)
+
+
 def _ce_and_correct(drafter, m: torch.Tensor, p: torch.Tensor, tgt: torch.Tensor):
     logits = drafter.draft_logits(m)
     lp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)

@@ -153,3 +153,133 @@ def sequence_parallel_loss(drafter, target_lm_head: torch.Tensor, hidden_state, 
     else:
         targ = window(target_argmax, chunk)
     return loss, m, gather_owned(draft_hits(drafter, outs, targ.long(), chunk_tokens), chunk, size, group)
+
+
+# ---- one process, several pieces --------------------------------------------------------------------------------
+# The same split without a group: one GPU takes a row longer than it holds in `pieces` contiguous pieces, one after
+# another, each forward followed by its own backward, so only one piece's activations exist at a time. A piece's
+# queries also see the step-0 keys of every earlier piece (the prefix): those are computed first without autograd
+# (the projection alone, ~0.4% of the step at the Kimi shape) and handed to later pieces as leaves, whose gradients
+# are then added to the earlier piece's own keys when that piece runs. Pieces run last to first, so each piece's
+# keys have received every later query's gradient by then. The gradient is the unsplit row's (float64 tests).
+
+class _KeysOnly(Exception):
+    """Raised by the prefix hook of the key pre-pass: the step-0 keys are all it needs of a piece's forward."""
+
+    def __init__(self, k0: torch.Tensor, v0: torch.Tensor):
+        super().__init__()
+        self.k0, self.v0 = k0, v0
+
+
+def _stop_at_keys(k0, v0):
+    raise _KeysOnly(k0, v0)
+
+
+class _GivenGrads(torch.autograd.Function):
+    """0 in forward; in backward each of `tensors` receives its precomputed gradient (times the incoming one). The
+    earlier pieces' parameter gradients (torch.autograd.grad: nothing reaches .grad or an optimizer's hooks) thus
+    arrive through the one backward of the returned loss, as DeepSpeed expects of a micro-step."""
+
+    @staticmethod
+    def forward(ctx, grads, *tensors):
+        ctx.grads = grads
+        return tensors[0].new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (None, *[None if x is None else x * g.to(x.dtype) for x in ctx.grads])
+
+
+def sequence_pieces_loss(drafter, target_lm_head: torch.Tensor, hidden_state, input_ids, loss_mask,
+                         target_hidden, *, pieces: int, steps: int, decay: float, chunk_tokens: int,
+                         attention_mask=None, target_argmax=None, fast: bool = False, draft_head=None):
+    """(loss, metrics) of a batch whose rows are taken in `pieces` contiguous pieces one after another on this
+    process: the unsplit loss and metrics (eagle3_loss's), and `loss.backward()` gives the unsplit gradients while
+    the activations of only one piece are alive at a time. Every piece but the first has already run its backward
+    here (torch.autograd.grad); their parameter gradients come with the returned loss's backward. Grad mode only
+    (no_grad evaluation holds no activations: take the row whole). target_argmax [B, T] (None: from
+    target_lm_head) is the target's full-vocab argmax; fast / draft_head as in sequence_parallel_loss."""
+    from eagle3.train.loss import eagle3_loss, eagle3_loss_fused, step_counts, summarize
+    B, T = input_ids.shape
+    if pieces < 2:
+        raise ValueError(f"sequence_pieces_loss needs pieces >= 2, got {pieces}")
+    if not torch.is_grad_enabled():
+        raise RuntimeError("sequence_pieces_loss runs each piece's backward: call it with autograd on")
+    if target_argmax is None:
+        with torch.no_grad():
+            th, w = target_hidden.reshape(-1, target_hidden.shape[-1]), target_lm_head
+            full = torch.cat([(th[s:s + chunk_tokens].to(w.dtype) @ w.T).argmax(-1)
+                              for s in range(0, th.shape[0], chunk_tokens)]).view(B, T)
+    else:
+        full = target_argmax
+    total = step_counts(drafter.t2d, full, loss_mask, attention_mask, steps)   # the unsplit denominators
+    chunks = [chunk_of(T, pieces, r, steps) for r in range(pieces)]
+
+    def forward(c: Chunk, hook):
+        positions = torch.arange(c.start, c.window_end, device=input_ids.device).expand(B, -1)
+        return drafter.ttt_forward(window(hidden_state, c), window(input_ids, c), window(attention_mask, c), steps,
+                                   positions, fast=fast, prefix_kv=hook)
+
+    keys = []  # (k0, v0) leaves of every piece but the last: [B, nkv, own, d]
+    with torch.no_grad():
+        for c in chunks[:-1]:
+            try:
+                forward(c, _stop_at_keys)
+                raise AssertionError("ttt_forward did not call prefix_kv")
+            except _KeysOnly as e:
+                own = c.end - c.start
+                keys.append(tuple(x[:, :, :own].detach().requires_grad_() for x in (e.k0, e.v0)))
+    extra = [[None, None] for _ in keys]  # gradients later pieces' queries put on each piece's keys
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    given = [None] * len(params)
+    sums, first_loss, rest = [], None, 0.0
+    for r in reversed(range(pieces)):
+        c = chunks[r]
+        own = c.end - c.start
+
+        def hook(k0, v0, r=r, own=own):
+            if r < len(keys):  # this piece's own keys also get what later pieces' queries put on them
+                k0, v0 = (_plus_grad(x, g) for x, g in zip((k0, v0), extra[r]))
+            if r == 0:
+                return k0, v0, (k0[:, :, :0], v0[:, :, :0])
+            return k0, v0, tuple(torch.cat([kv[i] for kv in keys[:r]], dim=2) for i in (0, 1))
+
+        outs = forward(c, hook)
+        share = dict(queries=own, reduce_counts=lambda _count: total)
+        th, ids = window(target_hidden, c), window(input_ids, c)
+        if fast:
+            loss, m = eagle3_loss_fused(drafter, outs, th, ids, window(loss_mask, c), window(attention_mask, c),
+                                        decay, chunk_tokens, lm_head_weight=target_lm_head,
+                                        target_argmax=window(target_argmax, c), draft_head_weight=draft_head, **share)
+        else:
+            loss, m = eagle3_loss(drafter, outs, th, target_lm_head, ids, window(loss_mask, c),
+                                  window(attention_mask, c), decay=decay, chunk_tokens=chunk_tokens, **share)
+        sums.append(torch.stack([m["ce_sum"], m["correct"], m["count"]]))
+        if r == 0:
+            first_loss = loss
+            break
+        leaves = [x for kv in keys[:r] for x in kv]
+        grads = torch.autograd.grad(loss, params + leaves, allow_unused=True)
+        for i, g in enumerate(grads[:len(params)]):
+            if g is not None:
+                given[i] = g if given[i] is None else given[i] + g
+        for i, g in enumerate(grads[len(params):]):
+            if g is not None:
+                slot = extra[i // 2]
+                slot[i % 2] = g if slot[i % 2] is None else slot[i % 2] + g
+        rest = rest + loss.detach()
+        del outs, loss, grads
+    ce_sum, correct, count = torch.stack(sums).sum(0)
+    metrics = {"ce_sum": ce_sum, "correct": correct, "count": count}
+    metrics.update(summarize(ce_sum, correct, count))
+    return first_loss + rest + _GivenGrads.apply(tuple(given), *params), metrics
+
+
+def _plus_grad(x: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+    """x, whose gradient also gets `extra` on its first extra.shape[2] positions (the rest: the halo's keys)."""
+    if extra is None:
+        return x
+    pad = x.shape[2] - extra.shape[2]
+    full = torch.nn.functional.pad(extra, (0, 0, 0, pad)) if pad else extra
+    x.register_hook(lambda g: g + full.to(g.dtype))
+    return x

@@ -39,9 +39,9 @@ from eagle3.train.config import TrainConfig
 # schedule then continues on the curve of the new length. Dumps and target may be given by other paths: their
 # contents are compared (data_sha256, the target identity).
 RESUMABLE = frozenset({"max_steps", "epochs", "save_interval", "keep_checkpoints", "eval_interval", "keep_best",
-                       "log_interval", "num_workers", "activation_checkpointing", "fast_path", "attention_kernel",
-                       "teacher_chunk_tokens", "report_to", "wandb_project", "wandb_mode", "progress",
-                       "stop_after_steps", "resume", "dump", "target", "out", "trust_remote_code"})
+                       "log_interval", "num_workers", "activation_checkpointing", "sequence_pieces", "fast_path",
+                       "attention_kernel", "teacher_chunk_tokens", "report_to", "wandb_project", "wandb_mode",
+                       "progress", "stop_after_steps", "resume", "dump", "target", "out", "trust_remote_code"})
 
 
 class DrafterTrainStep(nn.Module):
@@ -56,6 +56,7 @@ class DrafterTrainStep(nn.Module):
         self.steps, self.decay, self.chunk = cfg.ttt_steps, cfg.step_decay, cfg.teacher_chunk_tokens
         self.fast = bool(cfg.fast_path) and cfg.zero_stage < 3
         self.sp_group = None  # sequence parallel: this rank's group (set by train())
+        self.pieces = cfg.sequence_pieces
         kernels.set_cuda_attention_kernel(cfg.attention_kernel)
         if not self.fast and cfg.activation_checkpointing in ("step", "step_mlp"):
             raise ValueError(f"--activation-checkpointing {cfg.activation_checkpointing} needs the fast path "
@@ -86,6 +87,14 @@ class DrafterTrainStep(nn.Module):
                                        draft_head=self.draft_head)
             stats = torch.stack([r[1]["ce_sum"], r[1]["correct"], r[1]["count"]])
             return (r[0], stats, r[2]) if with_hits else (r[0], stats)
+        pieces = min(self.pieces, input_ids.shape[1])
+        if pieces > 1 and torch.is_grad_enabled() and not with_hits:  # one piece's activations at a time
+            from eagle3.train.sequence_parallel import sequence_pieces_loss
+            loss, m = sequence_pieces_loss(self.drafter, self.target_lm_head, hidden_state, input_ids, loss_mask,
+                                           target_hidden, pieces=pieces, steps=self.steps, decay=self.decay,
+                                           chunk_tokens=self.chunk, attention_mask=attention_mask,
+                                           target_argmax=target_argmax, fast=self.fast, draft_head=self.draft_head)
+            return loss, torch.stack([m["ce_sum"], m["correct"], m["count"]])
         outs = self.drafter(hidden_state, input_ids, attention_mask, steps=self.steps, fast=self.fast)
         if with_hits:
             from eagle3.train.acceptance import draft_hits
