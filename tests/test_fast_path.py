@@ -347,9 +347,10 @@ def test_causal_plus_diagonal_with_a_prefix_matches_dense_mask(nkv, j, P):
 
 @needs_gpu
 @pytest.mark.parametrize("cuda_kernel", ["flash", "cudnn"], indirect=True)
-@pytest.mark.parametrize("j,T,P", [(0, 300, 300), (6, 1024, 2048)])
+@pytest.mark.parametrize("j,T,P", [(0, 300, 300), (2, 300, 256), (6, 1024, 2048)])
 def test_cuda_causal_plus_diagonal_with_a_prefix_matches_float64_dense(cuda_kernel, j, T, P):
-    """The same at the Kimi head shape in bf16 on each CUDA kernel (the prefix block always runs FA2)."""
+    """The same at the Kimi head shape in bf16 on each CUDA kernel. The prefix block runs on cuDNN where the causal
+    one does and the prefix is a multiple of 128 keys (300 queries: padded ones), else on FA2 (P = 300)."""
     if cuda_kernel == "cudnn" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("cuDNN attention is picked only on sm90+")
     inputs, scale = _prefix_case(64, j, T, P, nh=64, d=128, seed=j)

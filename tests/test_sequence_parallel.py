@@ -13,7 +13,8 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from eagle3.train.loss import eagle3_loss
-from eagle3.train.sequence_parallel import chunk_of, halo, sequence_parallel_loss, sequence_pieces_loss
+from eagle3.train.sequence_parallel import (chunk_of, halo, piece_chunks, sequence_parallel_loss,
+                                            sequence_pieces_loss)
 
 from test_drafter import make_drafter
 
@@ -129,6 +130,18 @@ def test_pieces_on_one_process_give_the_unsplit_step(pieces, fast, checkpointing
         if p.requires_grad:
             assert ref_grads[n].abs().max() > 0, n
             torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_pieces_cut_at_multiples_of_128_and_cover_the_row():
+    from eagle3.train.kernels import CUDNN_T_MULTIPLE
+    for length, pieces in ((131072, 2), (131072, 4), (100_000, 3), (1000, 7), (384, 3), (37, 3)):
+        cs = piece_chunks(length, pieces, K)
+        assert [c.start for c in cs] == [0] + [c.end for c in cs[:-1]] and cs[-1].end == length
+        assert all(c.end > c.start and c.window_end == min(c.end + halo(K), length) for c in cs)
+        if length >= pieces * CUDNN_T_MULTIPLE:
+            assert all(c.end % CUDNN_T_MULTIPLE == 0 for c in cs[:-1])
+            assert max(c.end - c.start for c in cs) - min(c.end - c.start for c in cs) < 2 * CUDNN_T_MULTIPLE
+    assert [c.end - c.start for c in piece_chunks(131072, 4, K)] == [32768] * 4
 
 
 def test_step_counts_are_the_unsplit_denominators():

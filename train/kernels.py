@@ -184,12 +184,17 @@ def _pad_t(x, t_pad):
     return x if x.shape[2] == t_pad else F.pad(x, (0, 0, 0, t_pad - x.shape[2]))
 
 
-def _cudnn_forward(q, k, v, scale):
+def _cudnn_forward(q, k, v, scale, causal: bool = True):
+    """causal: q, k, v one length, all padded to a multiple of CUDNN_T_MULTIPLE. Not causal (a sequence-parallel
+    prefix block): only the queries are padded (padded keys would take softmax mass), so the caller sends keys of a
+    multiple of CUDNN_T_MULTIPLE (`_prefix_forward`)."""
     T = q.shape[2]
     tp = -(-T // CUDNN_T_MULTIPLE) * CUDNN_T_MULTIPLE
+    if causal:
+        k, v = _pad_t(k, tp), _pad_t(v, tp)
     # (query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask); lse [B, h, T, 1]
-    r = torch.ops.aten._scaled_dot_product_cudnn_attention(_pad_t(q, tp), _pad_t(k, tp), _pad_t(v, tp), None, True,
-                                                           0.0, True, False, scale=scale)
+    r = torch.ops.aten._scaled_dot_product_cudnn_attention(_pad_t(q, tp), k, v, None, True, 0.0, causal, False,
+                                                           scale=scale)
     out, lse = r[0], r[1].squeeze(-1)
     # cloned: a view would keep the whole padded output alive until backward (and, under 'step' checkpointing, whose
     # recompute does not refresh ctx attributes, for as long as the graph lives)
@@ -197,12 +202,14 @@ def _cudnn_forward(q, k, v, scale):
     return out[:, :, :T], lse[:, :, :T], ("cudnn", r[6], r[7], tail)
 
 
-def _cudnn_backward(dout, q, k, v, out, lse, state, scale):
+def _cudnn_backward(dout, q, k, v, out, lse, state, scale, causal: bool = True):
     _, seed, offset, tail = state
     T = q.shape[2]
     if tail is not None:
         tp = T + tail[0].shape[2]
-        q, k, v = _pad_t(q, tp), _pad_t(k, tp), _pad_t(v, tp)
+        q = _pad_t(q, tp)
+        if causal:
+            k, v = _pad_t(k, tp), _pad_t(v, tp)
         out = torch.cat([out, tail[0]], 2)
         dout = torch.cat([dout, dout.new_zeros(tail[0].shape)], 2)
         lse = torch.cat([lse, tail[1]], 2)
@@ -210,8 +217,10 @@ def _cudnn_backward(dout, q, k, v, out, lse, state, scale):
     # is_causal); None is an undefined tensor: no bias, dense (not nested) batches
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         dout, q, k, v, out, lse.unsqueeze(-1).contiguous(), seed, offset, None, None, None, q.shape[2], k.shape[2],
-        0.0, True, scale=scale)
-    return (dq, dk, dv) if tail is None else (dq[:, :, :T], dk[:, :, :T], dv[:, :, :T])
+        0.0, causal, scale=scale)
+    if tail is None:
+        return dq, dk, dv
+    return (dq[:, :, :T], dk[:, :, :T], dv[:, :, :T]) if causal else (dq[:, :, :T], dk, dv)
 
 
 def _flash_forward(q, k, v, scale, causal: bool):
@@ -244,6 +253,21 @@ def _causal_backward(dout, q, k, v, out, lse, state, scale):
     if q.is_cuda and state[0] == "cudnn":
         return _cudnn_backward(dout, q, k, v, out, lse, state, scale)
     return _flash_backward(dout, q, k, v, out, lse, state, scale, causal=True)
+
+
+def _prefix_forward(q, k, v, scale):
+    """Every query over all the prefix keys (no mask), with its log-sum-exp. cuDNN where the causal block uses it and
+    the keys come in a multiple of CUDNN_T_MULTIPLE (sequence_pieces_loss aligns its pieces so; at 131,072 tokens in
+    pieces this block is most of the attention), else FA2."""
+    if q.is_cuda and cuda_attention_kernel(q) == "cudnn" and k.shape[2] % CUDNN_T_MULTIPLE == 0:
+        return _cudnn_forward(q, k, v, scale, causal=False)
+    return _flash_forward(q, k, v, scale, causal=False)
+
+
+def _prefix_backward(dout, q, k, v, out, lse, state, scale):
+    if q.is_cuda and state[0] == "cudnn":
+        return _cudnn_backward(dout, q, k, v, out, lse, state, scale, causal=False)
+    return _flash_backward(dout, q, k, v, out, lse, state, scale, causal=False)
 
 
 def flash_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -334,9 +358,7 @@ class _CausalPlusDiagonal(torch.autograd.Function):
         o_c, lse_c, state = _causal_forward(q, repeat_kv(k0, n_rep), repeat_kv(v0, n_rep), scale)
         p_state = None
         if has_prefix:  # the earlier chunks' block, merged by log-sum-exp into the causal one
-            # every query over all their keys, no mask; FA2 on a GPU (cuDNN's length padding is harmless only for a
-            # causal block)
-            o_p, lse_p, p_state = _flash_forward(q, repeat_kv(kp, n_rep), repeat_kv(vp, n_rep), scale, causal=False)
+            o_p, lse_p, p_state = _prefix_forward(q, repeat_kv(kp, n_rep), repeat_kv(vp, n_rep), scale)
             acc = torch.promote_types(q.dtype, torch.float32)
             lse = torch.logaddexp(lse_c.to(acc), lse_p.to(acc))
             o = torch.exp(lse_c.to(acc) - lse).unsqueeze(-1) * o_c.to(acc) \
@@ -369,8 +391,8 @@ class _CausalPlusDiagonal(torch.autograd.Function):
                                         scale)
         gp = ()
         if ctx.has_prefix:  # the same merged out / lse serve the prefix block's backward (see above)
-            dq_p, dkp, dvp = _flash_backward(dout, q, repeat_kv(kp, n_rep), repeat_kv(vp, n_rep), out, lse,
-                                             ctx.p_state, scale, causal=False)
+            dq_p, dkp, dvp = _prefix_backward(dout, q, repeat_kv(kp, n_rep), repeat_kv(vp, n_rep), out, lse,
+                                              ctx.p_state, scale)
             dq = dq + dq_p
             gp = (_fold_kv(dkp, n_rep), _fold_kv(dvp, n_rep))
         gk = gv = ()

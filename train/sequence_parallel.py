@@ -163,6 +163,16 @@ def sequence_parallel_loss(drafter, target_lm_head: torch.Tensor, hidden_state, 
 # are then added to the earlier piece's own keys when that piece runs. Pieces run last to first, so each piece's
 # keys have received every later query's gradient by then. The gradient is the unsplit row's (float64 tests).
 
+def piece_chunks(length: int, pieces: int, ttt_steps: int, align: int = 128) -> list[Chunk]:
+    """sequence_pieces_loss's pieces: contiguous, every boundary at a multiple of `align` (so every prefix of keys is
+    one, which lets the prefix block run on cuDNN: kernels._prefix_forward; 128 = kernels.CUDNN_T_MULTIPLE), as
+    equal as that allows; a row shorter than pieces x align is cut as chunk_of cuts it."""
+    if length < pieces * align:
+        return [chunk_of(length, pieces, r, ttt_steps) for r in range(pieces)]
+    cuts = [0] + [length * r // pieces // align * align for r in range(1, pieces)] + [length]
+    return [Chunk(a, b, min(b + halo(ttt_steps), length), length) for a, b in zip(cuts, cuts[1:])]
+
+
 class _KeysOnly(Exception):
     """Raised by the prefix hook of the key pre-pass: the step-0 keys are all it needs of a piece's forward."""
 
@@ -213,7 +223,7 @@ def sequence_pieces_loss(drafter, target_lm_head: torch.Tensor, hidden_state, in
     else:
         full = target_argmax
     total = step_counts(drafter.t2d, full, loss_mask, attention_mask, steps)   # the unsplit denominators
-    chunks = [chunk_of(T, pieces, r, steps) for r in range(pieces)]
+    chunks = piece_chunks(T, pieces, steps)
 
     def forward(c: Chunk, hook):
         positions = torch.arange(c.start, c.window_end, device=input_ids.device).expand(B, -1)
