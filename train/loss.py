@@ -101,6 +101,16 @@ def teacher_positions(loss_mask: torch.Tensor, attention_mask: torch.Tensor | No
     return need
 
 
+@torch.no_grad()
+def full_vocab_argmax(target_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                      chunk_tokens: int) -> torch.Tensor:
+    """[..., Ht] -> [...] long: the target's full-vocab argmax from its own head (what the dump records as
+    `target_argmax` when it can), the logits computed `chunk_tokens` rows at a time."""
+    th, w = target_hidden.reshape(-1, target_hidden.shape[-1]), lm_head_weight
+    am = [(th[s:s + chunk_tokens].to(w.dtype) @ w.T).argmax(-1) for s in range(0, th.shape[0], chunk_tokens)]
+    return torch.cat(am).view(target_hidden.shape[:-1])
+
+
 def step_counts(t2d: torch.Tensor, target_argmax: torch.Tensor, loss_mask: torch.Tensor,
                 attention_mask: torch.Tensor | None, steps: int) -> torch.Tensor:
     """[K] float64: the pairs (t, j) each TTT step counts over whole rows, i.e. the unsplit loss's denominators

@@ -124,7 +124,7 @@ def sequence_parallel_loss(drafter, target_lm_head: torch.Tensor, hidden_state, 
     target_argmax [B, T] is then the target's full-vocab argmax (None: from its head). fast: train/kernels.py's
     forward and fused loss, as DrafterTrainStep's fast path (draft_head: the draft rows of the target head, used
     with target_argmax)."""
-    from eagle3.train.loss import eagle3_loss, eagle3_loss_fused
+    from eagle3.train.loss import eagle3_loss, eagle3_loss_fused, full_vocab_argmax
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     B, T = input_ids.shape
     chunk = chunk_of(T, size, rank, steps)
@@ -145,13 +145,8 @@ def sequence_parallel_loss(drafter, target_lm_head: torch.Tensor, hidden_state, 
     if not with_hits:
         return loss, m
     from eagle3.train.acceptance import draft_hits
-    if target_argmax is None:
-        w = target_lm_head
-        flat = th.reshape(-1, th.shape[-1])
-        targ = torch.cat([(flat[s:s + chunk_tokens].to(w.dtype) @ w.T).argmax(-1)
-                          for s in range(0, flat.shape[0], chunk_tokens)]).view(th.shape[:-1])
-    else:
-        targ = window(target_argmax, chunk)
+    targ = full_vocab_argmax(th, target_lm_head, chunk_tokens) if target_argmax is None \
+        else window(target_argmax, chunk)
     return loss, m, gather_owned(draft_hits(drafter, outs, targ.long(), chunk_tokens), chunk, size, group)
 
 
@@ -209,19 +204,13 @@ def sequence_pieces_loss(drafter, target_lm_head: torch.Tensor, hidden_state, in
     here (torch.autograd.grad); their parameter gradients come with the returned loss's backward. Grad mode only
     (no_grad evaluation holds no activations: take the row whole). target_argmax [B, T] (None: from
     target_lm_head) is the target's full-vocab argmax; fast / draft_head as in sequence_parallel_loss."""
-    from eagle3.train.loss import eagle3_loss, eagle3_loss_fused, step_counts, summarize
+    from eagle3.train.loss import eagle3_loss, eagle3_loss_fused, full_vocab_argmax, step_counts, summarize
     B, T = input_ids.shape
     if pieces < 2:
         raise ValueError(f"sequence_pieces_loss needs pieces >= 2, got {pieces}")
     if not torch.is_grad_enabled():
         raise RuntimeError("sequence_pieces_loss runs each piece's backward: call it with autograd on")
-    if target_argmax is None:
-        with torch.no_grad():
-            th, w = target_hidden.reshape(-1, target_hidden.shape[-1]), target_lm_head
-            full = torch.cat([(th[s:s + chunk_tokens].to(w.dtype) @ w.T).argmax(-1)
-                              for s in range(0, th.shape[0], chunk_tokens)]).view(B, T)
-    else:
-        full = target_argmax
+    full = full_vocab_argmax(target_hidden, target_lm_head, chunk_tokens) if target_argmax is None else target_argmax
     total = step_counts(drafter.t2d, full, loss_mask, attention_mask, steps)   # the unsplit denominators
     chunks = piece_chunks(T, pieces, steps)
 

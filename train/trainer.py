@@ -65,19 +65,12 @@ class DrafterTrainStep(nn.Module):
         draft_rows = target_lm_head[drafter.t2d.to(target_lm_head.device)].clone() if self.fast else None
         self.register_buffer("draft_head", draft_rows, persistent=False)
 
-    @torch.no_grad()
-    def full_argmax(self, target_hidden: torch.Tensor) -> torch.Tensor:
-        """The target's full-vocab argmax [B, T] from its own head (when the dump did not record it)."""
-        th = target_hidden.reshape(-1, target_hidden.shape[-1])
-        w = self.target_lm_head
-        am = [(th[s:s + self.chunk].to(w.dtype) @ w.T).argmax(-1) for s in range(0, th.shape[0], self.chunk)]
-        return torch.cat(am).view(target_hidden.shape[:-1])
 
     def forward(self, hidden_state, input_ids, attention_mask, loss_mask, target_hidden, target_argmax=None,
                 with_hits: bool = False):
         """(loss, stats [3, K]); with_hits (held-out evaluation, no grad) also the [B, T, K] draft hits that
         acceptance.walk replays as decoding would."""
-        from eagle3.train.loss import eagle3_loss, eagle3_loss_fused
+        from eagle3.train.loss import eagle3_loss, eagle3_loss_fused, full_vocab_argmax
         if self.sp_group is not None:  # this rank's chunk of every row (train/sequence_parallel.py)
             from eagle3.train.sequence_parallel import sequence_parallel_loss
             r = sequence_parallel_loss(self.drafter, self.target_lm_head, hidden_state, input_ids, loss_mask,
@@ -98,7 +91,8 @@ class DrafterTrainStep(nn.Module):
         outs = self.drafter(hidden_state, input_ids, attention_mask, steps=self.steps, fast=self.fast)
         if with_hits:
             from eagle3.train.acceptance import draft_hits
-            targ = target_argmax if target_argmax is not None else self.full_argmax(target_hidden)
+            targ = target_argmax if target_argmax is not None else \
+                full_vocab_argmax(target_hidden, self.target_lm_head, self.chunk)
             hits = draft_hits(self.drafter, outs, targ.long(), self.chunk)
         if self.fast:
             loss, m = eagle3_loss_fused(self.drafter, outs, target_hidden, input_ids, loss_mask, attention_mask,
