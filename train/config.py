@@ -91,10 +91,11 @@ class TrainConfig:
                                      "train/sequence_parallel.py): for samples longer than one GPU holds. Groups of "
                                      "this many consecutive ranks share each batch (the world size must be a "
                                      "multiple); --token-budget counts the whole batch")
-    sequence_pieces: int = _opt(1, "take every batch's rows in this many contiguous pieces one after another, each "
-                                   "with its own backward (train/sequence_parallel.py sequence_pieces_loss): one "
-                                   "GPU then holds the activations of one piece, for samples longer than it holds "
-                                   "whole; the same gradient. Not with --sequence-parallel or ZeRO-3")
+    piece_tokens: int = _opt(0, "take every batch wider than this many tokens in contiguous pieces of about this "
+                                "many, one after another, each with its own backward (train/sequence_parallel.py "
+                                "sequence_pieces_loss): one GPU then holds one piece's activations, for samples "
+                                "longer than it holds whole; the same gradient. 0: whole rows. Not with "
+                                "--sequence-parallel or ZeRO-3")
     attention_kernel: str = _opt("auto", "fast path CUDA attention: auto | cudnn | flash (train/kernels.py)")
     teacher_chunk_tokens: int = _opt(4096, "tokens per chunk of the teacher's lm_head (bounds its memory)")
     # ---- run control and logging
@@ -115,10 +116,10 @@ class TrainConfig:
             raise ValueError(f"attention_kernel {self.attention_kernel!r}: expected one of {CUDA_ATTENTION_KERNELS}")
         if self.init_head not in INIT_HEADS:
             raise ValueError(f"init_head {self.init_head!r}: expected one of {INIT_HEADS}")
-        if self.sequence_pieces < 1:
-            raise ValueError(f"sequence_pieces must be >= 1, got {self.sequence_pieces}")
-        if self.sequence_pieces > 1 and (self.sequence_parallel > 1 or self.zero_stage >= 3):
-            raise ValueError("--sequence-pieces splits rows on one process: not with --sequence-parallel (which "
+        if self.piece_tokens < 0:
+            raise ValueError(f"piece_tokens must be >= 0, got {self.piece_tokens}")
+        if self.piece_tokens and (self.sequence_parallel > 1 or self.zero_stage >= 3):
+            raise ValueError("--piece-tokens splits rows on one process: not with --sequence-parallel (which "
                              "splits them over ranks) or ZeRO-3 (its gradients are taken outside the engine's "
                              "backward, which partitioned parameters do not allow)")
         if not self.aux_noise >= 0:

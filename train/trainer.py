@@ -39,7 +39,7 @@ from eagle3.train.config import TrainConfig
 # schedule then continues on the curve of the new length. Dumps and target may be given by other paths: their
 # contents are compared (data_sha256, the target identity).
 RESUMABLE = frozenset({"max_steps", "epochs", "save_interval", "keep_checkpoints", "eval_interval", "keep_best",
-                       "log_interval", "num_workers", "activation_checkpointing", "sequence_pieces", "fast_path",
+                       "log_interval", "num_workers", "activation_checkpointing", "piece_tokens", "fast_path",
                        "attention_kernel", "teacher_chunk_tokens", "report_to", "wandb_project", "wandb_mode",
                        "progress", "stop_after_steps", "resume", "dump", "target", "out", "trust_remote_code"})
 
@@ -56,7 +56,7 @@ class DrafterTrainStep(nn.Module):
         self.steps, self.decay, self.chunk = cfg.ttt_steps, cfg.step_decay, cfg.teacher_chunk_tokens
         self.fast = bool(cfg.fast_path) and cfg.zero_stage < 3
         self.sp_group = None  # sequence parallel: this rank's group (set by train())
-        self.pieces = cfg.sequence_pieces
+        self.piece_tokens = cfg.piece_tokens
         kernels.set_cuda_attention_kernel(cfg.attention_kernel)
         if not self.fast and cfg.activation_checkpointing in ("step", "step_mlp"):
             raise ValueError(f"--activation-checkpointing {cfg.activation_checkpointing} needs the fast path "
@@ -80,7 +80,7 @@ class DrafterTrainStep(nn.Module):
                                        draft_head=self.draft_head)
             stats = torch.stack([r[1]["ce_sum"], r[1]["correct"], r[1]["count"]])
             return (r[0], stats, r[2]) if with_hits else (r[0], stats)
-        pieces = min(self.pieces, input_ids.shape[1])
+        pieces = -(-input_ids.shape[1] // self.piece_tokens) if self.piece_tokens else 1
         if pieces > 1 and torch.is_grad_enabled() and not with_hits:  # one piece's activations at a time
             from eagle3.train.sequence_parallel import sequence_pieces_loss
             loss, m = sequence_pieces_loss(self.drafter, self.target_lm_head, hidden_state, input_ids, loss_mask,
