@@ -184,10 +184,10 @@ def _pad_t(x, t_pad):
     return x if x.shape[2] == t_pad else F.pad(x, (0, 0, 0, t_pad - x.shape[2]))
 
 
-def _cudnn_forward(q, k, v, scale, causal: bool = True):
+def _cudnn_forward(q, k, v, scale, causal: bool):
     """causal: q, k, v one length, all padded to a multiple of CUDNN_T_MULTIPLE. Not causal (a sequence-parallel
     prefix block): only the queries are padded (padded keys would take softmax mass), so the caller sends keys of a
-    multiple of CUDNN_T_MULTIPLE (`_prefix_forward`)."""
+    multiple of CUDNN_T_MULTIPLE (`_block_forward`)."""
     T = q.shape[2]
     tp = -(-T // CUDNN_T_MULTIPLE) * CUDNN_T_MULTIPLE
     if causal:
@@ -202,7 +202,7 @@ def _cudnn_forward(q, k, v, scale, causal: bool = True):
     return out[:, :, :T], lse[:, :, :T], ("cudnn", r[6], r[7], tail)
 
 
-def _cudnn_backward(dout, q, k, v, out, lse, state, scale, causal: bool = True):
+def _cudnn_backward(dout, q, k, v, out, lse, state, scale, causal: bool):
     _, seed, offset, tail = state
     T = q.shape[2]
     if tail is not None:
@@ -242,32 +242,21 @@ def _flash_backward(dout, q, k, v, out, lse, state, scale, causal: bool):
         dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale)
 
 
-def _causal_forward(q, k, v, scale):
-    """Causal attention with its log-sum-exp: (out [B, h, T, d], lse [B, h, T] fp32, state for backward)."""
-    if q.is_cuda and cuda_attention_kernel(q) == "cudnn":
-        return _cudnn_forward(q, k, v, scale)
-    return _flash_forward(q, k, v, scale, causal=True)
+def _block_forward(q, k, v, scale, causal: bool):
+    """One attention block with its log-sum-exp: (out [B, h, T, d], lse [B, h, T] fp32, state for backward).
+    causal: the chunk's own keys; not causal: every query over all the prefix keys (the earlier chunks'). cuDNN where
+    `cuda_attention_kernel` picks it, for a prefix block only when its keys come in a multiple of CUDNN_T_MULTIPLE
+    (sequence_pieces_loss cuts its pieces so; at 131,072 tokens in pieces that block is most of the attention), else
+    FA2 (or the CPU flash kernel)."""
+    if q.is_cuda and cuda_attention_kernel(q) == "cudnn" and (causal or k.shape[2] % CUDNN_T_MULTIPLE == 0):
+        return _cudnn_forward(q, k, v, scale, causal)
+    return _flash_forward(q, k, v, scale, causal)
 
 
-def _causal_backward(dout, q, k, v, out, lse, state, scale):
+def _block_backward(dout, q, k, v, out, lse, state, scale, causal: bool):
     if q.is_cuda and state[0] == "cudnn":
-        return _cudnn_backward(dout, q, k, v, out, lse, state, scale)
-    return _flash_backward(dout, q, k, v, out, lse, state, scale, causal=True)
-
-
-def _prefix_forward(q, k, v, scale):
-    """Every query over all the prefix keys (no mask), with its log-sum-exp. cuDNN where the causal block uses it and
-    the keys come in a multiple of CUDNN_T_MULTIPLE (sequence_pieces_loss aligns its pieces so; at 131,072 tokens in
-    pieces this block is most of the attention), else FA2."""
-    if q.is_cuda and cuda_attention_kernel(q) == "cudnn" and k.shape[2] % CUDNN_T_MULTIPLE == 0:
-        return _cudnn_forward(q, k, v, scale, causal=False)
-    return _flash_forward(q, k, v, scale, causal=False)
-
-
-def _prefix_backward(dout, q, k, v, out, lse, state, scale):
-    if q.is_cuda and state[0] == "cudnn":
-        return _cudnn_backward(dout, q, k, v, out, lse, state, scale, causal=False)
-    return _flash_backward(dout, q, k, v, out, lse, state, scale, causal=False)
+        return _cudnn_backward(dout, q, k, v, out, lse, state, scale, causal)
+    return _flash_backward(dout, q, k, v, out, lse, state, scale, causal)
 
 
 def flash_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -355,10 +344,10 @@ class _CausalPlusDiagonal(torch.autograd.Function):
         kp, vp = rest[-2:] if has_prefix else (None, None)
         diag = rest[:-2] if has_prefix else rest
         j = len(diag) // 2
-        o_c, lse_c, state = _causal_forward(q, repeat_kv(k0, n_rep), repeat_kv(v0, n_rep), scale)
+        o_c, lse_c, state = _block_forward(q, repeat_kv(k0, n_rep), repeat_kv(v0, n_rep), scale, causal=True)
         p_state = None
         if has_prefix:  # the earlier chunks' block, merged by log-sum-exp into the causal one
-            o_p, lse_p, p_state = _prefix_forward(q, repeat_kv(kp, n_rep), repeat_kv(vp, n_rep), scale)
+            o_p, lse_p, p_state = _block_forward(q, repeat_kv(kp, n_rep), repeat_kv(vp, n_rep), scale, causal=False)
             acc = torch.promote_types(q.dtype, torch.float32)
             lse = torch.logaddexp(lse_c.to(acc), lse_p.to(acc))
             o = torch.exp(lse_c.to(acc) - lse).unsqueeze(-1) * o_c.to(acc) \
@@ -387,12 +376,12 @@ class _CausalPlusDiagonal(torch.autograd.Function):
             d2 = torch.empty_strided(out.shape, out.stride(), dtype=dout.dtype, device=dout.device)
             d2.copy_(dout)
             dout = d2
-        dq, dk0, dv0 = _causal_backward(dout, q, repeat_kv(k0, n_rep), repeat_kv(v0, n_rep), out, lse, ctx.state,
-                                        scale)
+        dq, dk0, dv0 = _block_backward(dout, q, repeat_kv(k0, n_rep), repeat_kv(v0, n_rep), out, lse, ctx.state,
+                                       scale, causal=True)
         gp = ()
         if ctx.has_prefix:  # the same merged out / lse serve the prefix block's backward (see above)
-            dq_p, dkp, dvp = _prefix_backward(dout, q, repeat_kv(kp, n_rep), repeat_kv(vp, n_rep), out, lse,
-                                              ctx.p_state, scale)
+            dq_p, dkp, dvp = _block_backward(dout, q, repeat_kv(kp, n_rep), repeat_kv(vp, n_rep), out, lse,
+                                             ctx.p_state, scale, causal=False)
             dq = dq + dq_p
             gp = (_fold_kv(dkp, n_rep), _fold_kv(dvp, n_rep))
         gk = gv = ()

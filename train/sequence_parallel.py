@@ -124,30 +124,41 @@ def sequence_parallel_loss(drafter, target_lm_head: torch.Tensor, hidden_state, 
     target_argmax [B, T] is then the target's full-vocab argmax (None: from its head). fast: train/kernels.py's
     forward and fused loss, as DrafterTrainStep's fast path (draft_head: the draft rows of the target head, used
     with target_argmax)."""
-    from eagle3.train.loss import eagle3_loss, eagle3_loss_fused, full_vocab_argmax
+    from eagle3.train.loss import full_vocab_argmax
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    B, T = input_ids.shape
-    chunk = chunk_of(T, size, rank, steps)
-    ids = window(input_ids, chunk)
-    positions = torch.arange(chunk.start, chunk.window_end, device=ids.device).expand(B, -1)
-    mask = window(attention_mask, chunk)
-    outs = drafter.ttt_forward(window(hidden_state, chunk), ids, mask, steps, positions, fast=fast,
-                               prefix_kv=prefix_kv(chunk, size, group))
-    th = window(target_hidden, chunk)
-    share = dict(queries=chunk.end - chunk.start, reduce_counts=sum_over_group(group))
-    if fast:
-        loss, m = eagle3_loss_fused(drafter, outs, th, ids, window(loss_mask, chunk), mask, decay, chunk_tokens,
-                                    lm_head_weight=target_lm_head, target_argmax=window(target_argmax, chunk),
-                                    draft_head_weight=draft_head, **share)
-    else:
-        loss, m = eagle3_loss(drafter, outs, th, target_lm_head, ids, window(loss_mask, chunk), mask, decay=decay,
-                              chunk_tokens=chunk_tokens, **share)
+    chunk = chunk_of(input_ids.shape[1], size, rank, steps)
+    outs = _window_forward(drafter, chunk, hidden_state, input_ids, attention_mask, steps, fast,
+                           prefix_kv(chunk, size, group))
+    loss, m = _window_loss(drafter, outs, chunk, target_lm_head, input_ids, loss_mask, target_hidden, attention_mask,
+                           target_argmax, draft_head, decay, chunk_tokens, fast, sum_over_group(group))
     if not with_hits:
         return loss, m
     from eagle3.train.acceptance import draft_hits
-    targ = full_vocab_argmax(th, target_lm_head, chunk_tokens) if target_argmax is None \
+    targ = full_vocab_argmax(window(target_hidden, chunk), target_lm_head, chunk_tokens) if target_argmax is None \
         else window(target_argmax, chunk)
     return loss, m, gather_owned(draft_hits(drafter, outs, targ.long(), chunk_tokens), chunk, size, group)
+
+
+def _window_forward(drafter, c: Chunk, hidden_state, input_ids, attention_mask, steps: int, fast: bool, hook):
+    """The TTT unroll over chunk c's window (its positions and halo), at their own positions; `hook` is the
+    drafter's prefix_kv (the keys of the positions before the chunk)."""
+    positions = torch.arange(c.start, c.window_end, device=input_ids.device).expand(input_ids.shape[0], -1)
+    return drafter.ttt_forward(window(hidden_state, c), window(input_ids, c), window(attention_mask, c), steps,
+                               positions, fast=fast, prefix_kv=hook)
+
+
+def _window_loss(drafter, outs, c: Chunk, target_lm_head, input_ids, loss_mask, target_hidden, attention_mask,
+                 target_argmax, draft_head, decay: float, chunk_tokens: int, fast: bool, reduce_counts):
+    """(loss, metrics) of chunk c's own pairs over its window, each step's count made the whole row's by
+    `reduce_counts` (eagle3_loss `queries` / `reduce_counts`)."""
+    from eagle3.train.loss import eagle3_loss, eagle3_loss_fused
+    th, ids, lm, mask = (window(x, c) for x in (target_hidden, input_ids, loss_mask, attention_mask))
+    share = dict(queries=c.end - c.start, reduce_counts=reduce_counts)
+    if fast:
+        return eagle3_loss_fused(drafter, outs, th, ids, lm, mask, decay, chunk_tokens, lm_head_weight=target_lm_head,
+                                 target_argmax=window(target_argmax, c), draft_head_weight=draft_head, **share)
+    return eagle3_loss(drafter, outs, th, target_lm_head, ids, lm, mask, decay=decay, chunk_tokens=chunk_tokens,
+                       **share)
 
 
 # ---- one process, several pieces --------------------------------------------------------------------------------
@@ -160,7 +171,7 @@ def sequence_parallel_loss(drafter, target_lm_head: torch.Tensor, hidden_state, 
 
 def piece_chunks(length: int, pieces: int, ttt_steps: int, align: int = 128) -> list[Chunk]:
     """sequence_pieces_loss's pieces: contiguous, every boundary at a multiple of `align` (so every prefix of keys is
-    one, which lets the prefix block run on cuDNN: kernels._prefix_forward; 128 = kernels.CUDNN_T_MULTIPLE), as
+    one, which lets the prefix block run on cuDNN: kernels._block_forward; 128 = kernels.CUDNN_T_MULTIPLE), as
     equal as that allows; a row shorter than pieces x align is cut as chunk_of cuts it."""
     if length < pieces * align:
         return [chunk_of(length, pieces, r, ttt_steps) for r in range(pieces)]
@@ -204,8 +215,8 @@ def sequence_pieces_loss(drafter, target_lm_head: torch.Tensor, hidden_state, in
     here (torch.autograd.grad); their parameter gradients come with the returned loss's backward. Grad mode only
     (no_grad evaluation holds no activations: take the row whole). target_argmax [B, T] (None: from
     target_lm_head) is the target's full-vocab argmax; fast / draft_head as in sequence_parallel_loss."""
-    from eagle3.train.loss import eagle3_loss, eagle3_loss_fused, full_vocab_argmax, step_counts, summarize
-    B, T = input_ids.shape
+    from eagle3.train.loss import full_vocab_argmax, step_counts, summarize
+    T = input_ids.shape[1]
     if pieces < 2:
         raise ValueError(f"sequence_pieces_loss needs pieces >= 2, got {pieces}")
     if not torch.is_grad_enabled():
@@ -215,9 +226,7 @@ def sequence_pieces_loss(drafter, target_lm_head: torch.Tensor, hidden_state, in
     chunks = piece_chunks(T, pieces, steps)
 
     def forward(c: Chunk, hook):
-        positions = torch.arange(c.start, c.window_end, device=input_ids.device).expand(B, -1)
-        return drafter.ttt_forward(window(hidden_state, c), window(input_ids, c), window(attention_mask, c), steps,
-                                   positions, fast=fast, prefix_kv=hook)
+        return _window_forward(drafter, c, hidden_state, input_ids, attention_mask, steps, fast, hook)
 
     keys = []  # (k0, v0) leaves of every piece but the last: [B, nkv, own, d]
     with torch.no_grad():
@@ -234,9 +243,8 @@ def sequence_pieces_loss(drafter, target_lm_head: torch.Tensor, hidden_state, in
     sums, first_loss, rest = [], None, 0.0
     for r in reversed(range(pieces)):
         c = chunks[r]
-        own = c.end - c.start
 
-        def hook(k0, v0, r=r, own=own):
+        def hook(k0, v0, r=r):
             if r < len(keys):  # this piece's own keys also get what later pieces' queries put on them
                 k0, v0 = (_plus_grad(x, g) for x, g in zip((k0, v0), extra[r]))
             if r == 0:
@@ -244,15 +252,8 @@ def sequence_pieces_loss(drafter, target_lm_head: torch.Tensor, hidden_state, in
             return k0, v0, tuple(torch.cat([kv[i] for kv in keys[:r]], dim=2) for i in (0, 1))
 
         outs = forward(c, hook)
-        share = dict(queries=own, reduce_counts=lambda _count: total)
-        th, ids = window(target_hidden, c), window(input_ids, c)
-        if fast:
-            loss, m = eagle3_loss_fused(drafter, outs, th, ids, window(loss_mask, c), window(attention_mask, c),
-                                        decay, chunk_tokens, lm_head_weight=target_lm_head,
-                                        target_argmax=window(target_argmax, c), draft_head_weight=draft_head, **share)
-        else:
-            loss, m = eagle3_loss(drafter, outs, th, target_lm_head, ids, window(loss_mask, c),
-                                  window(attention_mask, c), decay=decay, chunk_tokens=chunk_tokens, **share)
+        loss, m = _window_loss(drafter, outs, c, target_lm_head, input_ids, loss_mask, target_hidden, attention_mask,
+                               target_argmax, draft_head, decay, chunk_tokens, fast, lambda _count: total)
         sums.append(torch.stack([m["ce_sum"], m["correct"], m["count"]]))
         if r == 0:
             first_loss = loss

@@ -65,7 +65,6 @@ class DrafterTrainStep(nn.Module):
         draft_rows = target_lm_head[drafter.t2d.to(target_lm_head.device)].clone() if self.fast else None
         self.register_buffer("draft_head", draft_rows, persistent=False)
 
-
     def forward(self, hidden_state, input_ids, attention_mask, loss_mask, target_hidden, target_argmax=None,
                 with_hits: bool = False):
         """(loss, stats [3, K]); with_hits (held-out evaluation, no grad) also the [B, T, K] draft hits that
