@@ -26,7 +26,7 @@ NH, HD = 64, 128
 
 
 def fwd_bwd(T, j, gen):
-    from eagle3.train import kernels
+    from eagle3.model import kernels
     # the drafter's layout: projections are [B, T, h, d] and attention sees them transposed (strided) to [B, h, T, d]
     leaves = []
 
@@ -66,7 +66,7 @@ def main():
     ap.add_argument("--kernels", default="flash,cudnn")
     ap.add_argument("--iters", type=int, default=10)
     a = ap.parse_args()
-    from eagle3.train import kernels
+    from eagle3.model import kernels
     os.makedirs(a.out, exist_ok=True)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
            "cmd": " ".join(sys.argv), "time": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -32,7 +32,7 @@ core/eagle3_adapters.py `SdpaLikeAdapter.step_view`, modeling/draft/llama3_eagle
   step's output after), token input_ids[t + 1 + j], RoPE position t + j, attends causally to the step-0 keys <= t
   plus the step-1..j keys at t (cache_hidden), and is taught the target's distribution at u = t + 1 + j
   (`target_p_padded[:, j:j+T]` of the shifted target), restricted to the draft vocab and renormalised, i.e. the
-  prediction of token t + 2 + j. That is exactly our convention (train/loss.py, train/drafter.py): the same inputs,
+  prediction of token t + 2 + j. That is exactly our convention (train/loss.py, model/drafter.py): the same inputs,
   the same teacher, the same attention pattern; `specforge_inputs` below does just what its pipeline does (mask of
   the last token, the one-token shift of ids and target, mask unshifted) on our collated batch.
 * The pair (t, j) counts in SpecForge iff position_mask[t + j] = t2d[argmax_full(u)] * loss_mask[t + j]
@@ -331,7 +331,7 @@ def export_peer(draft, template: str, out: str, info: dict) -> dict:
 
     from eagle3 import contract as C
     from eagle3.export import sglang as X
-    from eagle3.train.drafter import EXPORT_KEYS
+    from eagle3.model import EXPORT_KEYS
 
     config, template_tensors, prov = X.load_export(template)
     sd = {k: v.detach().cpu() for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}

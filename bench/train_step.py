@@ -56,7 +56,7 @@ def matmul_peak():
 
 
 def drafter_config():
-    from eagle3.train.drafter import DrafterConfig
+    from eagle3.model import DrafterConfig
     return DrafterConfig(hidden_size=H, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=HD,
                          intermediate_size=I, vocab_size=VT, draft_vocab_size=VD, target_hidden_size=H,
                          rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=131072, num_aux_layers=NAUX)
@@ -64,7 +64,7 @@ def drafter_config():
 
 def build(seed=0):
     """Drafter (bf16, on the GPU, random weights), vocab map, target head [VT, H] bf16."""
-    from eagle3.train.drafter import Eagle3Drafter
+    from eagle3.model import Eagle3Drafter
     torch.manual_seed(seed)
     with torch.device("cuda"):
         d = Eagle3Drafter(drafter_config()).to(torch.bfloat16)
@@ -218,7 +218,7 @@ def main():
     sizes = [int(x) for x in a.tokens.split(",")]
     plain = [v for v in ("fast", "fast_fa2", "fast_full", "eager") if v in variants]
     if plain:
-        from eagle3.train import kernels
+        from eagle3.model import kernels
         drafter, head = build()
         draft_head = head[drafter.t2d].clone()
         for v in plain:

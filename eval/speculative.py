@@ -38,7 +38,7 @@ def load_drafter_from_export(export_dir: str, target_embedding: torch.Tensor, dt
     """An Eagle3Drafter built from the export alone (plus the target's embedding, which SGLang shares).
     `export`: load_export's result when the caller has it already (read and verified once)."""
     from eagle3.export.sglang import export_drafter_config, load_export
-    from eagle3.train.drafter import Eagle3Drafter
+    from eagle3.model import Eagle3Drafter
     config, tensors, prov = export or load_export(export_dir, allow_foreign=allow_foreign)
     drafter = Eagle3Drafter(export_drafter_config(config, prov, export_dir))
     missing, unexpected = drafter.load_state_dict(tensors, strict=False)

@@ -90,7 +90,7 @@ def _load_run(run_dir: str, step: int | None):
     """(run record, checkpoint record, checkpoint dir, step, DrafterConfig, capture, TargetInfo, weights)."""
     from safetensors.torch import load_file
     from eagle3.train.checkpoint import check_files
-    from eagle3.train.drafter import DrafterConfig, tensor_shapes
+    from eagle3.model import DrafterConfig, tensor_shapes
 
     run = RunRecord.read(os.path.join(run_dir, RUN_FILE))
     ckpt_dir, step = find_checkpoint(run_dir, step)
@@ -205,7 +205,7 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
     """Export checkpoint `step` (default: the latest) of training run `run_dir` into `out_dir`; returns the
     provenance written to out_dir/eagle3_provenance.json."""
     from safetensors.torch import save_file
-    from eagle3.train.drafter import tensor_shapes
+    from eagle3.model import tensor_shapes
 
     if engine not in ENGINES:
         raise ExportError(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -377,7 +377,7 @@ def export_drafter_config(config: dict, prov: ExportProvenance | None, where: st
     """The DrafterConfig of an export (the inverse of draft_config): config.json's fields, num_aux_layers by
     export_num_aux_layers. ContractError when config.json lacks a field or holds one the drafter cannot take."""
     from dataclasses import fields
-    from eagle3.train.drafter import DrafterConfig
+    from eagle3.model import DrafterConfig
     names = {f.name for f in fields(DrafterConfig)} - {"num_aux_layers"}
     num_aux = export_num_aux_layers(config, prov, where)
     try:
@@ -408,7 +408,7 @@ def load_export(export_dir: str,
         tensors = load_file(weights)
     except (SafetensorError, OSError) as e:
         raise C.ContractError(f"{weights}: cannot be read as safetensors ({e})") from e
-    from eagle3.train.drafter import tensor_shapes
+    from eagle3.model import tensor_shapes
     check_tensors(tensors, tensor_shapes(dcfg),
                   f"{weights} (shapes from {CONFIG_FILE}, {dcfg.num_aux_layers} aux hidden states)",
                   float_dtype=EXPORT_DTYPE)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from eagle3.train.drafter import (EXPORT_KEYS, DrafterConfig, Eagle3Drafter, attention_causal_plus_diagonal,
-                                  rope_inv_freq, tensor_shapes)
+from eagle3.model import EXPORT_KEYS, DrafterConfig, Eagle3Drafter, tensor_shapes
+from eagle3.model.layers import attention_causal_plus_diagonal, llama_inv_freq as rope_inv_freq
 
 # head_dim 12 != hidden/heads (8), GQA 4/2, target hidden 24 != hidden 32, small theta so rotations matter.
 CFG = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=48,

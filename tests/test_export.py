@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3 import contract as C
 from eagle3.export import serving as S
-from eagle3.train.drafter import EXPORT_KEYS
+from eagle3.model import EXPORT_KEYS
 
 # ============================================================================================ the rules table
 

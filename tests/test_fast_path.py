@@ -1,4 +1,4 @@
-"""The fast training path (train/kernels.py, ttt_forward(fast=True), eagle3_loss_fused) computes the same function
+"""The fast training path (model/kernels.py, ttt_forward(fast=True), eagle3_loss_fused) computes the same function
 and gradients as the plain path, which the other tests hold to naive float64 references. On the CPU the flash kernel
 is torch's CPU flash attention; test_cuda_* run the CUDA kernels where a GPU exists (the device bench runs them)."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3.train import kernels
-from eagle3.train.drafter import attention_causal_plus_diagonal
+from eagle3.model import kernels
+from eagle3.model.layers import attention_causal_plus_diagonal
 from eagle3.train.loss import draft_index, eagle3_loss, eagle3_loss_fused
 
 from test_drafter import batch, make_drafter, ttt_reference
@@ -106,7 +106,7 @@ def test_fast_ttt_matches_dense_reference(kv_heads):
 
 @pytest.mark.parametrize("mode", ["none", "mlp", "step", "step_mlp"])
 def test_fast_ttt_gradients_equal_plain(mode, monkeypatch):
-    import eagle3.train.drafter as drafter_module
+    import eagle3.model.drafter as drafter_module
     monkeypatch.setattr(drafter_module, "MLP_CHUNK_TOKENS", 8)  # step_mlp: several chunks of the 2 x 11 tokens
     d = make_drafter()
     aux, ids, am = batch(d)

@@ -43,7 +43,7 @@ def foreign_copy(export, dst, ids=None):
 
 
 def test_the_warm_drafter_is_the_export(exported, tiny_dump):
-    from eagle3.train.drafter import Eagle3Drafter
+    from eagle3.model import Eagle3Drafter
     from eagle3.train.init_from import load_into, read_init_from
     _, export = exported
     init = read_init_from(export, C.load_manifest(tiny_dump))

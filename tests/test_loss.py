@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from eagle3.train.drafter import DrafterConfig, Eagle3Drafter
+from eagle3.model import DrafterConfig, Eagle3Drafter
 from eagle3.train.loss import acceptance_length, eagle3_loss, summarize, teacher
 
 V, DV, HT = 50, 20, 24

@@ -117,7 +117,7 @@ def test_same_weights_same_outputs_and_the_loss_difference(our_run):
 
     from eagle3.data.dumps import DumpSet, split
     from eagle3.data.loader import BatchPlan, make_loader
-    from eagle3.train.drafter import DrafterConfig, Eagle3Drafter
+    from eagle3.model import DrafterConfig, Eagle3Drafter
     from eagle3.train.loss import eagle3_loss, teacher
     from eagle3.target.weights import load_embedding_and_head
 

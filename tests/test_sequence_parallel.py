@@ -88,7 +88,7 @@ def test_chunks_cover_the_sequence_and_their_halos_reach_every_label():
 @pytest.mark.parametrize("size,fast,checkpointing", [(2, False, "none"), (3, False, "mlp"), (2, True, "none"),
                                                      (3, True, "step")])
 def test_split_step_equals_the_unsplit_step(size, fast, checkpointing, tmp_path):
-    """The plain path and the fused kernels (train/kernels.py, CPU flash attention in float64), the latter also under
+    """The plain path and the fused kernels (model/kernels.py, CPU flash attention in float64), the latter also under
     'step' checkpointing, whose recompute must not repeat the group's collective, against the plain unsplit step."""
     ref_loss, ref_m, ref_grads = unsplit()
     out = str(tmp_path / "sp.safetensors")
@@ -133,7 +133,7 @@ def test_pieces_on_one_process_give_the_unsplit_step(pieces, fast, checkpointing
 
 
 def test_pieces_cut_at_multiples_of_128_and_cover_the_row():
-    from eagle3.train.kernels import CUDNN_T_MULTIPLE
+    from eagle3.model.kernels import CUDNN_T_MULTIPLE
     for length, pieces in ((131072, 2), (131072, 4), (100_000, 3), (1000, 7), (384, 3), (37, 3)):
         cs = piece_chunks(length, pieces, K)
         assert [c.start for c in cs] == [0] + [c.end for c in cs[:-1]] and cs[-1].end == length

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3 import contract as C
-from eagle3.train.drafter import EXPORT_KEYS
+from eagle3.model import EXPORT_KEYS
 
 
 def _port():
@@ -144,7 +144,7 @@ def test_compiled_pieces_survive_many_shapes_and_the_held_out_eval(tiny_dump, ti
     export-sglang --step best exports."""
     import torch._dynamo
     from eagle3.export.sglang import export_drafter
-    from eagle3.train import kernels
+    from eagle3.model import kernels
     from eagle3.train.config import TrainConfig
     from eagle3.train.trainer import train
     monkeypatch.setattr(kernels, "COMPILE_ON_CPU", "eager")

@@ -86,7 +86,7 @@ class TrainConfig:
     num_workers: int = _opt(2, "data-loader worker processes")
     activation_checkpointing: str = _opt("none", "none | mlp (recompute gate/up) | step (recompute whole TTT "
                                                  "steps; needs the fast path) | step_mlp (both: least memory)")
-    fast_path: bool = _opt(True, "train/kernels.py forward + fused loss (ZeRO 0-2; ZeRO-3 uses the plain path)")
+    fast_path: bool = _opt(True, "model/kernels.py forward + fused loss (ZeRO 0-2; ZeRO-3 uses the plain path)")
     sequence_parallel: int = _opt(1, "ranks that split every batch's positions between them (contiguous chunks, "
                                      "train/sequence_parallel.py): for samples longer than one GPU holds. Groups of "
                                      "this many consecutive ranks share each batch (the world size must be a "
@@ -96,7 +96,7 @@ class TrainConfig:
                                 "sequence_pieces_loss): one GPU then holds one piece's activations, for samples "
                                 "longer than it holds whole; the same gradient. 0: whole rows. Not with "
                                 "--sequence-parallel or ZeRO-3")
-    attention_kernel: str = _opt("auto", "fast path CUDA attention: auto | cudnn | flash (train/kernels.py)")
+    attention_kernel: str = _opt("auto", "fast path CUDA attention: auto | cudnn | flash (model/kernels.py)")
     teacher_chunk_tokens: int = _opt(4096, "tokens per chunk of the teacher's lm_head (bounds its memory)")
     # ---- run control and logging
     resume: bool = _opt(False, "continue the run in --out from checkpoints/latest (same data order and split)")
@@ -109,8 +109,8 @@ class TrainConfig:
     stop_after_steps: int | None = _opt(None, "testing aid: exit after this many steps as if killed")
 
     def __post_init__(self):
-        from eagle3.train.drafter import checkpointing_mode
-        from eagle3.train.kernels import CUDA_ATTENTION_KERNELS
+        from eagle3.model.layers import checkpointing_mode
+        from eagle3.model.kernels import CUDA_ATTENTION_KERNELS
         self.activation_checkpointing = checkpointing_mode(self.activation_checkpointing)
         if self.attention_kernel not in CUDA_ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel {self.attention_kernel!r}: expected one of {CUDA_ATTENTION_KERNELS}")

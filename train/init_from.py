@@ -25,7 +25,7 @@ from eagle3 import contract as C
 @dataclass
 class InitFrom:
     path: str                      # the export directory (absolute)
-    config: object                 # its DrafterConfig (eagle3.train.drafter), checked against the target
+    config: object                 # its DrafterConfig (eagle3.model.drafter), checked against the target
     tensors: dict                  # {checkpoint key: tensor} as exported
     weights_sha256: str            # of its model.safetensors: what run.json records as the start
     served_capture: list[int]      # HF indices a server captures with its ids (== the dump's)

@@ -250,7 +250,7 @@ def eagle3_loss_fused(drafter, step_outputs: Sequence[torch.Tensor], target_hidd
     Without them it needs `lm_head_weight` (the full target head) as `eagle3_loss` does. `queries`, `reduce_counts`:
     sequence parallel, as in `eagle3_loss`.
     Reads the drafter's norm / lm_head weights directly (not for ZeRO-3)."""
-    from eagle3.train.kernels import linear_soft_cross_entropy, rms_norm
+    from eagle3.model.kernels import lean_norm, linear_soft_cross_entropy
     K = len(step_outputs)
     B, T = input_ids.shape
     dev = step_outputs[0].device
@@ -278,7 +278,7 @@ def eagle3_loss_fused(drafter, step_outputs: Sequence[torch.Tensor], target_hidd
     w = torch.tensor([decay ** j for j in range(K)], dtype=torch.float64, device=dev) / denom.clamp(min=1)
     acc = torch.promote_types(step_outputs[0].dtype, torch.float32)
     row_weights = valid.to(acc) * w.to(acc)[:, None]
-    xs = [rms_norm(m.reshape(B * T, -1), drafter.norm.weight, drafter.norm.eps) for m in step_outputs]
+    xs = [drafter.head_input(m.reshape(B * T, -1), lean_norm) for m in step_outputs]
     loss, ce_sum, correct = linear_soft_cross_entropy(xs, drafter.lm_head.weight, p_t, argmax_d, rows, row_weights,
                                                       valid, chunk_tokens)
     metrics = {"ce_sum": ce_sum, "correct": correct, "count": count}

@@ -4,7 +4,7 @@ Why it works for the EAGLE-3 training step (docs/contract.md §9): everything in
 except two things.
 - Attention. Step j's query at position t sees the step-0 keys at positions <= t and the step-1..j keys at t
   itself. The diagonal keys are local; the step-0 keys of earlier chunks are all-gathered once per step
-  (`prefix_kv`), and each query merges their softmax mass with its own chunk's (train/drafter.py
+  (`prefix_kv`), and each query merges their softmax mass with its own chunk's (model/drafter.py
   attention_causal_plus_diagonal, `prefix`). Backward sums, over the ranks, the gradient every rank's queries put
   on a chunk's keys (`_GatherChunks`).
 - Look-ahead. Step j at t reads token t+1+j and is taught at u = t+1+j about p = t+2+j, so a chunk's window carries
@@ -121,7 +121,7 @@ def sequence_parallel_loss(drafter, target_lm_head: torch.Tensor, hidden_state, 
     allowed): (loss, metrics) as eagle3_loss returns them, the loss summing over the group to the unsplit one and
     the metrics this rank's own pairs (all-reduce ce_sum / correct / count to pool them). with_hits (held-out
     evaluation, no grad): also the whole batch's [B, T, K] draft hits (acceptance.draft_hits), on every rank;
-    target_argmax [B, T] is then the target's full-vocab argmax (None: from its head). fast: train/kernels.py's
+    target_argmax [B, T] is then the target's full-vocab argmax (None: from its head). fast: model/kernels.py's
     forward and fused loss, as DrafterTrainStep's fast path (draft_head: the draft rows of the target head, used
     with target_argmax)."""
     from eagle3.train.loss import full_vocab_argmax

@@ -30,7 +30,7 @@ from eagle3 import dist as D
 from eagle3.records import (BEST_DIR, CHECKPOINTS_DIR, CKPT_FILE, DRAFTER_WEIGHTS_FILE, METRICS_FILE, RUN_FILE,
                             TENSORBOARD_DIR, VOCAB_FILE, CheckpointRecord, RunRecord)
 from eagle3.train import checkpoint as CK
-from eagle3.train import kernels
+from eagle3.model import kernels
 from eagle3.train.config import TrainConfig
 
 # Options a resume may change. None of them moves a sample between the training and held-out sets, reorders or
@@ -138,7 +138,7 @@ def drafter_config(cfg: TrainConfig, target_dir: str, num_aux: int):
     vocab and target hidden size always taken from the target."""
     from eagle3 import presets
     from eagle3.target.load import read_config, text_config_dict
-    from eagle3.train.drafter import DrafterConfig
+    from eagle3.model import DrafterConfig
     t = text_config_dict(read_config(target_dir))
     rope = t.get("rope_parameters") or {}
     derived = dict(hidden_size=t["hidden_size"], num_attention_heads=t["num_attention_heads"],
@@ -460,7 +460,7 @@ def train(cfg: TrainConfig) -> dict:
     from eagle3.data.dumps import BATCH_SCALES, DumpSet, dequantize_batch, split
     from eagle3.data.loader import BatchPlan, make_loader
     from eagle3.data.vocab import build_vocab, describe_vocab, load_vocab, save_vocab
-    from eagle3.train.drafter import Eagle3Drafter
+    from eagle3.model import Eagle3Drafter
     from eagle3.train.init_from import check_same_vocab, load_into, read_init_from
     from eagle3.target.weights import load_embedding_and_head, load_final_norm
 

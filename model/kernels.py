@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from eagle3.train.drafter import repeat_kv
+from eagle3.model.layers import repeat_kv
 
 _COMPILED: dict = {}
 _EAGER: set = set()          # functions whose compiled version failed once: they run as written from then on
@@ -98,6 +98,11 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNorm.apply(x, weight, eps)
+
+
+def lean_norm(x: torch.Tensor, norm) -> torch.Tensor:
+    """An RMSNorm module's function through rms_norm (layers.module_norm's fast-path twin, same signature)."""
+    return _RMSNorm.apply(x, norm.weight, norm.eps)
 
 
 # ------------------------------------------------------------------------------------------------ SiLU * up
@@ -243,20 +248,37 @@ def _flash_backward(dout, q, k, v, out, lse, state, scale, causal: bool):
 
 
 def _block_forward(q, k, v, scale, causal: bool):
-    """One attention block with its log-sum-exp: (out [B, h, T, d], lse [B, h, T] fp32, state for backward).
+    """One attention block with its log-sum-exp: (out [B, h, T, dv], lse [B, h, T] fp32, state for backward).
     causal: the chunk's own keys; not causal: every query over all the prefix keys (the earlier chunks'). cuDNN where
     `cuda_attention_kernel` picks it, for a prefix block only when its keys come in a multiple of CUDNN_T_MULTIPLE
     (sequence_pieces_loss cuts its pieces so; at 131,072 tokens in pieces that block is most of the attention), else
-    FA2 (or the CPU flash kernel)."""
+    FA2 (or the CPU flash kernel).
+    Values narrower than the keys (MLA: 128 against 192) are zero-padded to the key width for the kernel, whose flash
+    implementations take one head width: the padded output columns are zero and are dropped."""
+    dv = v.shape[-1]
+    if dv != q.shape[-1]:
+        out, lse, state = _block_forward(q, k, _pad_d(v, q.shape[-1]), scale, causal)
+        return out[..., :dv].contiguous(), lse, state
     if q.is_cuda and cuda_attention_kernel(q) == "cudnn" and (causal or k.shape[2] % CUDNN_T_MULTIPLE == 0):
         return _cudnn_forward(q, k, v, scale, causal)
     return _flash_forward(q, k, v, scale, causal)
 
 
 def _block_backward(dout, q, k, v, out, lse, state, scale, causal: bool):
+    dv = v.shape[-1]
+    if dv != q.shape[-1]:  # as padded in _block_forward; the zero columns of dout leave rowsum(dO * O) as it is
+        w = q.shape[-1]
+        dq, dk, dvp = _block_backward(_pad_d(dout, w), q, k, _pad_d(v, w), _pad_d(out, w), lse, state, scale, causal)
+        return dq, dk, dvp[..., :dv]
     if q.is_cuda and state[0] == "cudnn":
         return _cudnn_backward(dout, q, k, v, out, lse, state, scale, causal)
     return _flash_backward(dout, q, k, v, out, lse, state, scale, causal)
+
+
+def _pad_d(x, width: int):
+    if x.shape[-1] > width:
+        raise NotImplementedError(f"value head width {x.shape[-1]} wider than the key width {width}")
+    return F.pad(x, (0, width - x.shape[-1]))
 
 
 def flash_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -305,7 +327,7 @@ def _diag_grads(q, dout, lse, D, k, v, scale: float):
     B, nh, T, d = q.shape
     nkv = k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
-    qf, df = q.to(acc).reshape(B, nkv, -1, T, d), dout.to(acc).reshape(B, nkv, -1, T, d)
+    qf, df = q.to(acc).reshape(B, nkv, -1, T, d), dout.to(acc).reshape(B, nkv, -1, T, dout.shape[-1])
     kf, vf = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)
     p = torch.exp((qf * kf).sum(-1) * scale - lse.reshape(B, nkv, -1, T))            # [B, nkv, n_rep, T]
     ds = (p * ((df * vf).sum(-1) - D.reshape(B, nkv, -1, T)) * scale).unsqueeze(-1)
