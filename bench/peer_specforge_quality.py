@@ -331,14 +331,15 @@ def export_peer(draft, template: str, out: str, info: dict) -> dict:
 
     from eagle3 import contract as C
     from eagle3.export import sglang as X
-    from eagle3.model import EXPORT_KEYS
+    from eagle3.model import checkpoint as MC
+    from eagle3.model import tensor_shapes
 
-    config, template_tensors, prov = X.load_export(template)
+    config, template_tensors, prov = MC.load_export(template)
+    keys = tensor_shapes(MC.export_drafter_config(config, prov))  # the template's layout and options
     sd = {k: v.detach().cpu() for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
-    if set(sd) != set(EXPORT_KEYS):
-        raise C.ContractError(f"SpecForge's state dict {sorted(sd)} is not the SGLang key set {sorted(EXPORT_KEYS)}")
-    tensors = {k: (sd[k].to(X.EXPORT_DTYPE) if sd[k].is_floating_point() else sd[k]).contiguous()
-               for k in EXPORT_KEYS}
+    if set(sd) != set(keys):
+        raise C.ContractError(f"SpecForge's state dict {sorted(sd)} is not the SGLang key set {sorted(keys)}")
+    tensors = {k: (sd[k].to(MC.EXPORT_DTYPE) if sd[k].is_floating_point() else sd[k]).contiguous() for k in keys}
     for k, t in template_tensors.items():
         if tensors[k].shape != t.shape or tensors[k].dtype != t.dtype:
             raise C.ContractError(f"{k}: peer {tuple(tensors[k].shape)} {tensors[k].dtype} vs template "
@@ -370,9 +371,9 @@ def export_peer(draft, template: str, out: str, info: dict) -> dict:
             "the template's"]
         with open(os.path.join(tmp, X.PROVENANCE_FILE), "w") as f:
             json.dump(p, f, indent=1)
-        X.load_export(tmp)
+        MC.load_export(tmp)
         L = p["target"]["num_hidden_layers"]
-        if X.capture_indices_of_export(tmp, L) != X.capture_indices_of_export(template, L):
+        if MC.capture_indices_of_export(tmp, L) != MC.capture_indices_of_export(template, L):
             raise C.ContractError("the peer export would capture other states than the template")
         os.makedirs(out, exist_ok=True)
         for name in (X.WEIGHTS_FILE, X.CONFIG_FILE, X.PROVENANCE_FILE):
@@ -387,7 +388,7 @@ def check_export(sf, out: str, embed: torch.Tensor, batch: dict, ttt: int) -> fl
     """Our Eagle3Drafter loaded from the peer export (load_drafter_from_export, as eval does) and SpecForge's draft
     model holding the same (exported, bf16-rounded) weights compute the same TTT step outputs on the first sample
     of a batch, fp32 on the CPU. Returns the max relative difference."""
-    from eagle3.export.sglang import load_export
+    from eagle3.model.checkpoint import load_export
     from eagle3.eval.speculative import load_drafter_from_export
     ours = load_drafter_from_export(out, embed, torch.float32, torch.device("cpu"))
     config, tensors, prov = load_export(out)
@@ -427,7 +428,7 @@ def main(argv=None) -> dict:
     from eagle3.data.dumps import DumpSet, split
     from eagle3.data.loader import BatchPlan, make_loader
     from eagle3.data.vocab import load_vocab
-    from eagle3.export.sglang import load_export
+    from eagle3.model.checkpoint import load_export
     from eagle3.target.weights import load_embedding_and_head
     from eagle3.train.trainer import check_target_matches_dumps
 

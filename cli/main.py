@@ -265,7 +265,7 @@ def _step_arg(text: str) -> int | str:
 
 
 def _add_export_sglang(sub) -> None:
-    from eagle3.export.serving import SGLANG_LATEST
+    from eagle3.serving import SGLANG_LATEST
     p = sub.add_parser("export-sglang", help="export a trained drafter for SGLang (LlamaForCausalLMEagle3) or vLLM")
     p.add_argument("--run", required=True, help="training run directory (eagle3 train --out)")
     p.add_argument("--step", type=_step_arg, default=None,

@@ -248,7 +248,9 @@ def find_checkpoint(run_dir: str, step: int | str | None = None) -> tuple[str, i
 
 # eagle3_provenance.json's keys in the order export_drafter writes them (target and capture aside).
 _PROV = [("format", (str,), _REQUIRED), ("format_version", (int,), _REQUIRED), ("engine", (str,), _REQUIRED),
-         ("sglang_release", (str, None), None), ("serving_family", (str, None), None),
+         ("sglang_release", (str, None), None), ("vllm_release", (str, None), None),
+         ("serving_family", (str, None), None), ("architecture", (str, None), None), ("options", (list,), []),
+         ("draft_kv_bytes_per_token", (int, None), None),
          ("eagle_aux_hidden_state_layer_ids", (INTS, None), None), ("served_capture_indices", (INTS, None), None),
          ("ids_reproduce_capture_in_sglang", (list, None), None), ("needs_disable_cuda_graph", (bool,), False),
          ("cuda_graph_default_capture", (INTS, None), None), ("server_command", (str,), ""),
@@ -256,7 +258,8 @@ _PROV = [("format", (str,), _REQUIRED), ("format_version", (int,), _REQUIRED), (
          ("checkpoint", (str, None), None), ("standardize", (str, None), None), ("drafter", (dict,), {}),
          ("vocab", (dict,), {}), ("notes", (list,), []), ("created", (str,), ""),
          ("model_safetensors_sha256", (str, None), None)]
-_PROV_ORDER = ["format", "format_version", "engine", "sglang_release", "serving_family", "capture",
+_PROV_ORDER = ["format", "format_version", "engine", "sglang_release", "vllm_release", "serving_family",
+               "architecture", "options", "draft_kv_bytes_per_token", "capture",
                "eagle_aux_hidden_state_layer_ids", "served_capture_indices", "ids_reproduce_capture_in_sglang",
                "needs_disable_cuda_graph", "cuda_graph_default_capture", "server_command", "target", "identity",
                "run_dir", "step", "checkpoint", "standardize", "drafter", "vocab", "notes", "created",
@@ -275,7 +278,11 @@ class ExportProvenance:
     capture: CaptureSpec
     target: TargetInfo
     sglang_release: str | None = None
+    vllm_release: str | None = None
     serving_family: str | None = None
+    architecture: str | None = None          # the serving class (config.json's architectures)
+    options: list = field(default_factory=list)  # EAGLE-3.1 options on (model.config.OPTIONS)
+    draft_kv_bytes_per_token: int | None = None  # what a speculated token costs in the server's draft KV cache
     eagle_aux_hidden_state_layer_ids: list[int] | None = None
     served_capture_indices: list[int] | None = None
     ids_reproduce_capture_in_sglang: list | None = None

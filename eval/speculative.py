@@ -37,7 +37,7 @@ def load_drafter_from_export(export_dir: str, target_embedding: torch.Tensor, dt
                              device: torch.device, allow_foreign: bool = False, export=None):
     """An Eagle3Drafter built from the export alone (plus the target's embedding, which SGLang shares).
     `export`: load_export's result when the caller has it already (read and verified once)."""
-    from eagle3.export.sglang import export_drafter_config, load_export
+    from eagle3.model.checkpoint import export_drafter_config, load_export
     from eagle3.model import Eagle3Drafter
     config, tensors, prov = export or load_export(export_dir, allow_foreign=allow_foreign)
     drafter = Eagle3Drafter(export_drafter_config(config, prov, export_dir))
@@ -194,7 +194,7 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     `trust_remote_code`: run the tokenizer code the target ships (Kimi-K2.5), refused otherwise."""
     from eagle3.contract import ContractError
     from eagle3.target.load import DTYPES, find_backbone, load_target, load_tokenizer, target_info
-    from eagle3.export.sglang import capture_indices_of_export, load_export
+    from eagle3.model.checkpoint import capture_indices_of_export, load_export
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tdtype = DTYPES[dtype]
     info = target_info(target_dir)

@@ -5,7 +5,7 @@
 DIR/ holds
   config.json              every key SGLang reads, set explicitly; eagle_config.eagle_aux_hidden_state_layer_ids
                            computed from the checkpoint's recorded capture with the serving rules of
-                           `eagle3.export.serving` for the target family and the SGLang release targeted;
+                           `eagle3.serving` for the target family and the SGLang release targeted;
   model.safetensors        exactly the tensors of docs/contract.md §6 (fc, midlayer.*, norm, lm_head in bf16;
                            d2t int64; t2d bool);
   eagle3_provenance.json   what was exported from where, for which engine/release, and what that server captures.
@@ -13,7 +13,7 @@ DIR/ holds
 Everything is checked before anything is written; the files go to a temporary directory that is renamed into place,
 so a refused or failed export leaves no half-written DIR.
 
-`load_export` (what eval reads) checks an export before use: model.safetensors against the sha256 in its
+`eagle3.model.checkpoint.load_export` (what eval and --init-from read) checks an export before use: model.safetensors against the sha256 in its
 provenance, config.json's ids against the provenance's trained capture (via the contract's forward rule), and every
 tensor's shape against config.json. An export without provenance (a drafter from elsewhere) is refused unless
 `allow_foreign`, since nothing then says which hidden states it was trained on.
@@ -32,14 +32,13 @@ import time
 import torch
 
 from eagle3 import contract as C
-from eagle3.export import serving as S
+from eagle3 import serving as S
+from eagle3.model.checkpoint import EXPORT_DTYPE, check_tensors, draft_config, load_export
 from eagle3.records import (CKPT_FILE, DRAFTER_WEIGHTS_FILE, EXPORT_CONFIG_FILE as CONFIG_FILE, EXPORT_FILES,
                             EXPORT_FORMAT, EXPORT_WEIGHTS_FILE as WEIGHTS_FILE, PROVENANCE_FILE, RUN_FILE, VOCAB_FILE,
                             CheckpointRecord, ExportProvenance, RunRecord, find_checkpoint)
 
 ENGINES = ("sglang", "vllm")
-ARCHITECTURE = "LlamaForCausalLMEagle3"
-EXPORT_DTYPE = torch.bfloat16
 
 NOT_PORTABLE = ("explicit eagle_aux_hidden_state_layer_ids are NOT portable between SGLang and vLLM: vLLM reads them "
                 "as HF hidden_states indices, SGLang shifts them by a family- and release-dependent rule")
@@ -49,48 +48,11 @@ class ExportError(ValueError):
     """The export cannot be done as asked (missing checkpoint, occupied output directory, ...)."""
 
 
-def check_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], source: str,
-                  float_dtype: torch.dtype | None = None) -> None:
-    """Exactly the expected names, shapes and dtypes (floats: any float, or `float_dtype`; d2t int64; t2d bool),
-    finite weights, and d2t consistent with t2d. ContractError naming every problem otherwise."""
-    problems = []
-    missing, unknown = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
-    if missing:
-        problems.append(f"missing tensors {missing}")
-    if unknown:
-        problems.append(f"unknown tensors {unknown} (SGLang <= 0.5.11 silently drops names it does not know)")
-    for name, shape in shapes.items():
-        t = tensors.get(name)
-        if t is None:
-            continue
-        if tuple(t.shape) != tuple(shape):
-            problems.append(f"{name}: shape {tuple(t.shape)}, expected {tuple(shape)}")
-        if name == "d2t":
-            if t.dtype != torch.int64:
-                problems.append(f"d2t: dtype {t.dtype}, expected torch.int64")
-        elif name == "t2d":
-            if t.dtype != torch.bool:
-                problems.append(f"t2d: dtype {t.dtype}, expected torch.bool")
-        elif not t.is_floating_point() or (float_dtype is not None and t.dtype != float_dtype):
-            problems.append(f"{name}: dtype {t.dtype}, expected {float_dtype or 'a floating dtype'}")
-        elif not bool(torch.isfinite(t).all()):
-            problems.append(f"{name}: holds NaN or inf")
-    d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
-    if (d2t is not None and t2d is not None and d2t.dtype == torch.int64 and t2d.dtype == torch.bool
-            and d2t.dim() == 1 and t2d.dim() == 1):  # wrong dtypes or ranks are reported above already
-        from eagle3.data.vocab import vocab_map_problem
-        problem = vocab_map_problem(d2t, t2d)
-        if problem:
-            problems.append(problem)
-    if problems:
-        raise C.ContractError(f"{source}: does not fit SGLang's {ARCHITECTURE}:\n  " + "\n  ".join(problems))
-
-
 def _load_run(run_dir: str, step: int | None):
     """(run record, checkpoint record, checkpoint dir, step, DrafterConfig, capture, TargetInfo, weights)."""
     from safetensors.torch import load_file
     from eagle3.train.checkpoint import check_files
-    from eagle3.model import DrafterConfig, tensor_shapes
+    from eagle3.model import DrafterConfig, architecture, tensor_shapes
 
     run = RunRecord.read(os.path.join(run_dir, RUN_FILE))
     ckpt_dir, step = find_checkpoint(run_dir, step)
@@ -122,7 +84,7 @@ def _load_run(run_dir: str, step: int | None):
                               f"!= target hidden_size/vocab_size {target.hidden_size}/{target.vocab_size}")
     check_files(ckpt_dir, rec, [DRAFTER_WEIGHTS_FILE])  # the bytes the trainer wrote: a flipped bit is refused here
     weights = load_file(os.path.join(ckpt_dir, DRAFTER_WEIGHTS_FILE))
-    check_tensors(weights, tensor_shapes(dcfg), f"{ckpt_dir}/{DRAFTER_WEIGHTS_FILE}")
+    check_tensors(weights, tensor_shapes(dcfg), f"{ckpt_dir}/{DRAFTER_WEIGHTS_FILE}", architecture=architecture(dcfg))
     vocab_path = os.path.join(run_dir, VOCAB_FILE)
     if os.path.isfile(vocab_path):
         from safetensors import safe_open
@@ -134,33 +96,6 @@ def _load_run(run_dir: str, step: int | None):
 
 
 # ---------------------------------------------------------------------------------------------- the export
-
-def draft_config(dcfg, ids: list[int]) -> dict:
-    """config.json of the exported drafter: every key SGLang (and vLLM) read, explicit (docs/contract.md §6)."""
-    return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "hidden_size": dcfg.hidden_size,
-        "num_attention_heads": dcfg.num_attention_heads,
-        "num_key_value_heads": dcfg.num_key_value_heads,
-        "head_dim": dcfg.head_dim,
-        "intermediate_size": dcfg.intermediate_size,
-        "hidden_act": dcfg.hidden_act,
-        "rms_norm_eps": dcfg.rms_norm_eps,
-        "rope_theta": dcfg.rope_theta,
-        "rope_scaling": dcfg.rope_scaling,
-        "max_position_embeddings": dcfg.max_position_embeddings,
-        "vocab_size": dcfg.vocab_size,
-        "draft_vocab_size": dcfg.draft_vocab_size,
-        "target_hidden_size": dcfg.target_hidden_size,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "dtype": "bfloat16",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(ids), "use_aux_hidden_state": True},
-    }
-
-
 SERVE_DRAFT_STEPS = 3  # the export's hint: a chain of 3, the length published acceptance lengths are quoted at
 
 
@@ -201,11 +136,13 @@ def _is_previous_export(path: str) -> bool:
 
 
 def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: str = "sglang",
-                   sglang_version: str = S.SGLANG_LATEST, allow_cuda_graph_mismatch: bool = False) -> ExportProvenance:
+                   sglang_version: str = S.SGLANG_LATEST, allow_cuda_graph_mismatch: bool = False,
+                   vllm_version: str = S.VLLM_LATEST) -> ExportProvenance:
     """Export checkpoint `step` (default: the latest) of training run `run_dir` into `out_dir`; returns the
-    provenance written to out_dir/eagle3_provenance.json."""
+    provenance written to out_dir/eagle3_provenance.json. Refused when the engine release targeted would not serve
+    the drafter's architecture or one of its options (eagle3.serving.check_drafter_served)."""
     from safetensors.torch import save_file
-    from eagle3.model import tensor_shapes
+    from eagle3.model import architecture, tensor_shapes
 
     if engine not in ENGINES:
         raise ExportError(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -217,6 +154,9 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
             raise ExportError(f"{out} is not empty and is not a previous eagle3 export: choose another --out")
 
     run, rec, ckpt_dir, step, dcfg, capture, target, weights = _load_run(run_dir, step)
+    arch = architecture(dcfg)
+    S.check_drafter_served(engine, sglang_version if engine == "sglang" else vllm_version, dcfg.layout, dcfg.options,
+                           arch, dcfg.q_lora_rank)
     L = target.num_hidden_layers
     notes: list[str] = []
     release = family = None
@@ -249,10 +189,12 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
     shapes = tensor_shapes(dcfg)
     tensors = {k: (weights[k].to(EXPORT_DTYPE) if weights[k].is_floating_point() else weights[k]).contiguous()
                for k in shapes}
-    check_tensors(tensors, shapes, "the converted tensors", float_dtype=EXPORT_DTYPE)
+    check_tensors(tensors, shapes, "the converted tensors", float_dtype=EXPORT_DTYPE, architecture=arch)
     config = draft_config(dcfg, ids)
     provenance = ExportProvenance(
         engine=engine, sglang_release=release, serving_family=family,
+        vllm_release=str(S.parse_release(vllm_version)) if engine == "vllm" else None, architecture=arch,
+        options=dcfg.options, draft_kv_bytes_per_token=dcfg.draft_kv_bytes_per_token(),
         capture=C.CaptureSpec(hidden_state_indices=capture, convention="hf_hidden_states_index"),
         eagle_aux_hidden_state_layer_ids=ids, served_capture_indices=served,
         ids_reproduce_capture_in_sglang=(None if reproducing is None
@@ -288,150 +230,3 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return provenance
-
-
-# ---------------------------------------------------------------------------------------------- reading back
-
-_FOREIGN_HINT = "a drafter from elsewhere: pass allow_foreign (eagle3 eval --allow-foreign-export) to use it anyway"
-
-
-def _read_provenance(export_dir: str, allow_foreign: bool = False) -> ExportProvenance | None:
-    """The export's provenance; None for an export without one (a drafter from elsewhere), only if
-    `allow_foreign`: without it nothing says what the drafter was trained on, so its ids cannot be checked."""
-    path = os.path.join(export_dir, PROVENANCE_FILE)
-    if not os.path.exists(path):
-        if allow_foreign:
-            return None
-        raise C.ContractError(f"{export_dir}: no {PROVENANCE_FILE}, so nothing records which hidden states the "
-                              f"drafter was trained on and its eagle_aux_hidden_state_layer_ids cannot be checked "
-                              f"({_FOREIGN_HINT})")
-    return ExportProvenance.read(path)  # ContractError naming the file and the key it lacks
-
-
-def _served_capture(config: dict, engine: str, model_type: str, release: str | None, num_layers: int) -> list[int]:
-    """The contract's forward rule of `engine` (SGLang: of `release` and the target's `model_type`) applied to
-    config.json's ids: the HF indices that server captures and feeds the drafter's fc."""
-    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if engine == "vllm":
-        if ids is None:
-            ids = config.get("eagle_aux_hidden_state_layer_ids")
-        return S.vllm_capture_indices(ids, num_layers)
-    if engine != "sglang":
-        raise C.ContractError(f"unknown engine {engine!r}")
-    return S.sglang_capture_indices(ids, model_type, release, num_layers)
-
-
-def _check_ids_against_provenance(export_dir: str, config: dict, prov: ExportProvenance,
-                                  allow_foreign: bool) -> list[int]:
-    """What the provenance's server captures with config.json's ids; refused (with `allow_foreign`: a warning)
-    unless it is exactly the capture the drafter was trained on, since other states silently cost acceptance."""
-    where = f"{export_dir}/{CONFIG_FILE}"
-    trained = prov.capture.hidden_state_indices
-    try:
-        served = _served_capture(config, prov.engine, prov.target.model_type, prov.sglang_release,
-                                 prov.target.num_hidden_layers)
-    except C.ContractError as e:
-        raise C.ContractError(f"{where}: eagle_aux_hidden_state_layer_ids cannot be served: {e}") from e
-    if served != trained:
-        server = "vLLM" if prov.engine == "vllm" else f"SGLang {prov.sglang_release}"
-        msg = (f"{where}: eagle_aux_hidden_state_layer_ids "
-               f"{(config.get('eagle_config') or {}).get('eagle_aux_hidden_state_layer_ids')} make {server} capture "
-               f"HF {served}, but {PROVENANCE_FILE} says the drafter was trained on HF {trained} (ids "
-               f"{prov.eagle_aux_hidden_state_layer_ids})")
-        if not allow_foreign:
-            raise C.ContractError(f"{msg}; re-export, or {_FOREIGN_HINT}")
-        print(f"warning: {msg}; used anyway (allow_foreign)", file=sys.stderr)
-    return served
-
-
-def _verify_weights(export_dir: str, prov: ExportProvenance) -> None:
-    """sha256 of the weight file against the one the exporter recorded: a flipped bit loads silently otherwise."""
-    path = os.path.join(export_dir, WEIGHTS_FILE)
-    recorded = prov.model_safetensors_sha256
-    if not recorded:
-        raise C.ContractError(f"{export_dir}/{PROVENANCE_FILE}: records no model_safetensors_sha256, so {path} "
-                              "cannot be verified; re-export")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: not found")
-    actual = C.file_sha256(path)
-    if actual != recorded:
-        raise C.ContractError(f"{path}: sha256 {actual} differs from the {recorded} recorded in {PROVENANCE_FILE} "
-                              "(corrupted or modified after the export); re-export")
-
-
-def export_num_aux_layers(config: dict, prov: ExportProvenance | None, where: str = CONFIG_FILE) -> int:
-    """How many target hidden states the server concatenates into fc: those its forward rule captures with
-    config.json's ids (docs/contract.md §7); for an export without provenance, one per id. The one rule for an
-    export's num_aux_layers: load_export checks fc against it, eval builds its drafter with it."""
-    if prov is None:
-        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if not ids:  # the server's default set then depends on the target; nothing here to check fc against
-            raise C.ContractError(f"{where}: no eagle_config.eagle_aux_hidden_state_layer_ids and no "
-                                  f"{PROVENANCE_FILE}: set the ids explicitly")
-        return len(ids)
-    return len(_served_capture(config, prov.engine, prov.target.model_type, prov.sglang_release,
-                               prov.target.num_hidden_layers))
-
-
-def export_drafter_config(config: dict, prov: ExportProvenance | None, where: str = CONFIG_FILE):
-    """The DrafterConfig of an export (the inverse of draft_config): config.json's fields, num_aux_layers by
-    export_num_aux_layers. ContractError when config.json lacks a field or holds one the drafter cannot take."""
-    from dataclasses import fields
-    from eagle3.model import DrafterConfig
-    names = {f.name for f in fields(DrafterConfig)} - {"num_aux_layers"}
-    num_aux = export_num_aux_layers(config, prov, where)
-    try:
-        return DrafterConfig(**{k: v for k, v in config.items() if k in names}, num_aux_layers=num_aux)
-    except (TypeError, ValueError, NotImplementedError) as e:
-        raise C.ContractError(f"{where}: not a drafter config ({e})") from e
-
-
-def load_export(export_dir: str,
-                allow_foreign: bool = False) -> tuple[dict, dict[str, torch.Tensor], ExportProvenance | None]:
-    """(config, tensors, provenance) of an export, after checking, in this order: model.safetensors' sha256
-    against the provenance; that config.json's ids make the provenance's server capture exactly the states the
-    drafter was trained on; every tensor's name, dtype and shape against config.json (fc's in-features = the
-    number of states the server captures x target_hidden_size, export_num_aux_layers). `allow_foreign` (a drafter from elsewhere) accepts an export without provenance
-    (provenance None; only the shapes are checked) and turns disagreeing ids into a warning."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    config = C.read_json(os.path.join(export_dir, CONFIG_FILE))
-    if config.get("architectures") != [ARCHITECTURE] or config.get("num_hidden_layers") != 1:
-        raise C.ContractError(f"{export_dir}/{CONFIG_FILE}: expected architectures [{ARCHITECTURE}] and 1 layer")
-    prov = _read_provenance(export_dir, allow_foreign)
-    if prov is not None:
-        _verify_weights(export_dir, prov)
-        _check_ids_against_provenance(export_dir, config, prov, allow_foreign)
-    dcfg = export_drafter_config(config, prov, f"{export_dir}/{CONFIG_FILE}")
-    weights = os.path.join(export_dir, WEIGHTS_FILE)
-    try:
-        tensors = load_file(weights)
-    except (SafetensorError, OSError) as e:
-        raise C.ContractError(f"{weights}: cannot be read as safetensors ({e})") from e
-    from eagle3.model import tensor_shapes
-    check_tensors(tensors, tensor_shapes(dcfg),
-                  f"{weights} (shapes from {CONFIG_FILE}, {dcfg.num_aux_layers} aux hidden states)",
-                  float_dtype=EXPORT_DTYPE)
-    return config, tensors, prov
-
-
-def capture_indices_of_export(export_dir: str, num_layers: int, sglang_version: str | None = None,
-                              target_model_type: str | None = None, allow_foreign: bool = False) -> list[int]:
-    """What a server would capture (HF indices, ascending) for this export on a `num_layers`-layer target: the
-    forward rule of the provenance's engine / SGLang release (or `sglang_version`, the release actually served)
-    / target model_type, applied to config.json's ids. Reads only the export, never a training manifest.
-    An export without provenance (only with `allow_foreign`) is taken as served by SGLang `sglang_version`
-    (default: the latest known) for a `target_model_type` target."""
-    config = C.read_json(os.path.join(export_dir, CONFIG_FILE))
-    prov = _read_provenance(export_dir, allow_foreign)
-    if prov is None:
-        if target_model_type is None:
-            raise C.ContractError(f"{export_dir}: no {PROVENANCE_FILE}; the target's model_type is needed to tell "
-                                  "what SGLang captures with its ids")
-        return _served_capture(config, "sglang", target_model_type, sglang_version or S.SGLANG_LATEST, num_layers)
-    recorded = prov.target.num_hidden_layers
-    if int(num_layers) != recorded:
-        raise C.ContractError(f"{export_dir} was exported for a {recorded}-layer target "
-                              f"({prov.target.model_type}), asked about a {num_layers}-layer one")
-    return _served_capture(config, prov.engine, prov.target.model_type, sglang_version or prov.sglang_release,
-                           num_layers)

@@ -31,19 +31,17 @@ def distilled(word_target, convs, tmp_path_factory):
     return self_distilled_conversations(word_target, convs, str(tmp_path_factory.mktemp("distilled") / "c.jsonl"))
 
 
-@pytest.fixture(scope="module")
-def trained_export(word_target, distilled, tmp_path_factory):
+def _train_and_export(word_target, distilled, root, **drafter) -> str:
     """A drafter over-fitted on the tiny Llama target's own answers, exported for SGLang."""
     from eagle3.dump.job import DumpConfig, run_dump
     from eagle3.export.sglang import export_drafter
     from eagle3.train.config import TrainConfig
     from eagle3.train.trainer import train
-    root = tmp_path_factory.mktemp("e2e")
     dump = str(root / "dump")
     run_dump(DumpConfig(target=word_target, data=[distilled], out=dump, layers=[1, 3, 4], dtype="fp32",
                         progress=False))
     vocab = json.load(open(os.path.join(word_target, "config.json")))["vocab_size"]
-    train(TrainConfig(dump=[dump], target=word_target, out=str(root / "run"), drafter="tiny",
+    train(TrainConfig(dump=[dump], target=word_target, out=str(root / "run"), **{"drafter": "tiny", **drafter},
                       draft_vocab_size=vocab, bf16=False, max_steps=250, token_budget=4096, lr=3e-3, warmup_steps=10,
                       held_out_fraction=0.0, save_interval=1000, num_workers=0, progress=False,
                       wandb_mode="disabled"))
@@ -52,12 +50,26 @@ def trained_export(word_target, distilled, tmp_path_factory):
     return export
 
 
+@pytest.fixture(scope="module")
+def trained_export(word_target, distilled, tmp_path_factory):
+    return _train_and_export(word_target, distilled, tmp_path_factory.mktemp("e2e"))
+
+
+@pytest.fixture(scope="module")
+def trained_mla_export(word_target, distilled, tmp_path_factory):
+    """The MLA layout with the EAGLE-3.1 options, trained and exported the same way."""
+    return _train_and_export(word_target, distilled, tmp_path_factory.mktemp("e2e_mla"), drafter="tiny-mla",
+                             fc_norm=True, norm_output=True)
+
+
 def _eval(target, export, prompts, **kw):
     kw = {"draft_steps": 4, "max_new_tokens": 24, "num_prompts": 6, "progress": False, **kw}
     return evaluate(target, export, prompts, **kw)
 
 
-def test_speculative_decoding_is_lossless_and_accepts(word_target, distilled, trained_export, tmp_path):
+@pytest.mark.parametrize("export", ["trained_export", "trained_mla_export"])
+def test_speculative_decoding_is_lossless_and_accepts(word_target, distilled, export, tmp_path, request):
+    trained_export = request.getfixturevalue(export)
     rep = _eval(word_target, trained_export, distilled, out=str(tmp_path / "eval"))
     assert rep["lossless"], rep["mismatches"]
     assert rep["capture_indices"] == [1, 3, 4]     # derived from the export's ids with the SGLang rule
@@ -103,13 +115,16 @@ def test_spec_stats_pooling():
     assert s.reached == [4, 3, 2] and s.accepted == [3, 2, 2]   # n=1 reaches draft 2, n=0 only draft 1
 
 
-def test_held_out_walk_replays_speculative_decoding_exactly(word_target, distilled, trained_export):
+@pytest.mark.parametrize("export", ["trained_export", "trained_mla_export"])
+def test_held_out_walk_replays_speculative_decoding_exactly(word_target, distilled, export, request):
     """train/acceptance.walk over a TTT unroll of the target's own greedy answer counts exactly the rounds, reached
-    and accepted drafts that real speculative decoding (eval) counts on the same prompt."""
+    and accepted drafts that real speculative decoding (eval) counts on the same prompt (for every layout: the MLA
+    drafter with fc_norm and norm_output as well)."""
+    trained_export = request.getfixturevalue(export)
     from eagle3.target.capture import HiddenStateCapture
     from eagle3.target.load import find_backbone, load_target, load_tokenizer, target_info
     from eagle3.eval.speculative import SpeculativeDecoder, load_drafter_from_export, read_prompts
-    from eagle3.export.sglang import capture_indices_of_export
+    from eagle3.model.checkpoint import capture_indices_of_export
     from eagle3.train.acceptance import ChainStats, draft_hits, walk
     K, max_new = 4, 20
     info = target_info(word_target)

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3 import contract as C
-from eagle3.export import serving as S
+from eagle3 import serving as S
 from eagle3.model import EXPORT_KEYS
 
 # ============================================================================================ the rules table
@@ -217,11 +217,13 @@ def no_leftovers(parent, name):
 CONFIG_KEYS = {"architectures", "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
                "num_key_value_heads", "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps", "rope_theta",
                "rope_scaling", "max_position_embeddings", "vocab_size", "draft_vocab_size", "target_hidden_size",
-               "tie_word_embeddings", "torch_dtype", "dtype", "eagle_config"}
+               "tie_word_embeddings", "torch_dtype", "dtype", "eagle_config", "fc_norm", "norm_output",
+               "norm_before_fc"}
 
 
 def test_export_of_a_trained_run(tiny_run, tmp_path):
-    from eagle3.export.sglang import capture_indices_of_export, export_drafter, load_export
+    from eagle3.export.sglang import export_drafter
+    from eagle3.model.checkpoint import capture_indices_of_export, load_export
     run = json.load(open(os.path.join(tiny_run, "run.json")))
     capture = run["capture"]["hidden_state_indices"]
     assert capture == [1, 3, 4]
@@ -248,7 +250,9 @@ def test_export_of_a_trained_run(tiny_run, tmp_path):
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
     assert cfg["vocab_size"] == V and cfg["draft_vocab_size"] == dv and cfg["target_hidden_size"] == H
     assert cfg["head_dim"] == 16 and cfg["hidden_act"] == "silu" and cfg["tie_word_embeddings"] is False
-    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 3], "use_aux_hidden_state": True}
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2, 3], "use_aux_hidden_state": True,
+                                   "norm_before_fc": False}
+    assert cfg["fc_norm"] is False and cfg["norm_output"] is False and cfg["norm_before_fc"] is False
 
     assert prov.to_dict() == json.load(open(os.path.join(out, "eagle3_provenance.json")))
     assert prov.engine == "sglang" and prov.sglang_release == S.SGLANG_LATEST
@@ -257,6 +261,8 @@ def test_export_of_a_trained_run(tiny_run, tmp_path):
     assert prov.target.model_type == "llama" and prov.target.num_hidden_layers == 6
     assert prov.target.config_sha256 == run["target"]["config_sha256"]
     assert prov.standardize == "v1" and prov.needs_disable_cuda_graph is False
+    assert prov.architecture == "LlamaForCausalLMEagle3" and prov.options == []
+    assert prov.draft_kv_bytes_per_token == 2 * 2 * 16 * 2  # k and v, 2 kv heads of 16, bf16
     assert "--speculative-algorithm EAGLE3" in prov.server_command and out in prov.server_command
     assert "--disable-cuda-graph" not in prov.server_command
 
@@ -274,7 +280,8 @@ def test_export_of_a_trained_run(tiny_run, tmp_path):
 
 
 def test_ids_come_from_the_recorded_capture_and_family(tiny_run, tmp_path):
-    from eagle3.export.sglang import capture_indices_of_export, export_drafter
+    from eagle3.export.sglang import export_drafter
+    from eagle3.model.checkpoint import capture_indices_of_export
     run = light_copy(tiny_run, tmp_path / "run")
 
     def recapture(d):
@@ -315,7 +322,8 @@ def test_cuda_graph_mismatch_needs_the_flag(tiny_run, tmp_path, capsys):
 
 
 def test_vllm_export(tiny_run, tmp_path):
-    from eagle3.export.sglang import capture_indices_of_export, export_drafter
+    from eagle3.export.sglang import export_drafter
+    from eagle3.model.checkpoint import capture_indices_of_export
     out = str(tmp_path / "v")
     prov = export_drafter(tiny_run, out, engine="vllm")
     cfg = json.load(open(os.path.join(out, "config.json")))
@@ -363,7 +371,8 @@ def test_aux_count_must_match_capture(tiny_run, tmp_path):
 
 
 def test_output_directory_rules(tiny_run, tmp_path):
-    from eagle3.export.sglang import ExportError, export_drafter, load_export
+    from eagle3.export.sglang import ExportError, export_drafter
+    from eagle3.model.checkpoint import load_export
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
@@ -410,7 +419,8 @@ def _set_ids(export, ids):
 
 
 def test_a_flipped_bit_in_an_export_is_refused(tiny_run, tmp_path):
-    from eagle3.export.sglang import export_drafter, load_export
+    from eagle3.export.sglang import export_drafter
+    from eagle3.model.checkpoint import load_export
     out = str(tmp_path / "draft")
     export_drafter(tiny_run, out)
     path = os.path.join(out, "model.safetensors")
@@ -430,7 +440,8 @@ def test_a_flipped_bit_in_an_export_is_refused(tiny_run, tmp_path):
 
 
 def test_ids_that_disagree_with_the_provenance_are_refused(tiny_run, tmp_path, capsys):
-    from eagle3.export.sglang import export_drafter, load_export
+    from eagle3.export.sglang import export_drafter
+    from eagle3.model.checkpoint import load_export
     out = str(tmp_path / "draft")
     export_drafter(tiny_run, out)
     _set_ids(out, [1, 3, 4])  # the trained capture written as ids: SGLang's +1 rule shifts every state
@@ -444,7 +455,8 @@ def test_ids_that_disagree_with_the_provenance_are_refused(tiny_run, tmp_path, c
 
 def test_export_shapes_are_checked_against_its_config(tiny_run, tmp_path):
     """2 ids in config.json for an fc trained on 3 states: a clear error naming the tensor, not a matmul crash."""
-    from eagle3.export.sglang import export_drafter, load_export
+    from eagle3.export.sglang import export_drafter
+    from eagle3.model.checkpoint import load_export
     out = str(tmp_path / "draft")
     export_drafter(tiny_run, out)
     _set_ids(out, [0, 2])

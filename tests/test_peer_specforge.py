@@ -56,7 +56,7 @@ def our_run(convs, tmp_path_factory):
 
 def test_peer_trains_exports_and_decodes_losslessly(our_run):
     from eagle3.eval.speculative import evaluate, load_drafter_from_export
-    from eagle3.export.sglang import load_export
+    from eagle3.model.checkpoint import load_export
     from eagle3.target.weights import load_embedding_and_head
     out = str(our_run["root"] / "peer")
     cmd = [sys.executable, SCRIPT, "--run", our_run["run"], "--dump", our_run["dump"], "--target", our_run["target"],

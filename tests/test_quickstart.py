@@ -8,7 +8,7 @@ import pytest
 
 @pytest.mark.slow
 def test_quickstart_reduced(tmp_path):
-    from eagle3.export.sglang import load_export
+    from eagle3.model.checkpoint import load_export
     from eagle3.cli.quickstart import QuickstartConfig, run_quickstart
     out = str(tmp_path / "qs")
     s = run_quickstart(QuickstartConfig(out=out, num_samples=16, max_length=256, regen_max_new_tokens=12,

@@ -138,7 +138,8 @@ def test_from_dict_names_the_file_and_the_key(tiny_run, export_dir, tmp_path, cl
 
 def test_readers_refuse_a_malformed_record_naming_it(tiny_run, export_dir, tmp_path):
     """The export and the export's reader fail with the file and the key, not a KeyError deep inside."""
-    from eagle3.export.sglang import export_drafter, load_export
+    from eagle3.export.sglang import export_drafter
+    from eagle3.model.checkpoint import load_export
     run = tmp_path / "run"
     os.makedirs(run / "checkpoints" / "step00000004")
     shutil.copy(os.path.join(tiny_run, RUN_FILE), run)

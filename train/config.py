@@ -19,6 +19,7 @@ INIT_HEADS = ("target", "random")  # how the draft head (norm + lm_head) starts:
 # token. The teacher is the target's own distribution at each position whoever wrote the text, so the prompt's
 # positions are supervision too, at no dump cost; the held-out replay walks the assistant's answers either way.
 LOSS_TOKENS = ("assistant", "all")
+TRI_STATE = ("fc_norm", "norm_before_fc", "norm_output")  # on, off (--no-X), or not given (None: the preset's)
 REPORTERS = ("wandb", "tensorboard")  # --report-to names: train/trainer.py's TRACKERS
 
 
@@ -42,6 +43,14 @@ class TrainConfig:
     out: str = _opt("runs/train", "run directory: run.json, metrics.jsonl, checkpoints/, tensorboard/")
     drafter: str = _opt("auto", "configs/drafters preset, or 'auto' (the target's own attention/MLP shape)")
     draft_vocab_size: int | None = _opt(None, "draft vocabulary size (default: the drafter preset's)")
+    # EAGLE-3.1 (docs/drafters.md); None = the drafter preset's (off unless the preset turns it on)
+    fc_norm: bool | None = _opt(None, "EAGLE-3.1: one RMSNorm per captured state before fc (tensors fc_norm.{i}); "
+                                      "exclusive with --norm-before-fc (default: the drafter preset's, else off)")
+    norm_before_fc: bool | None = _opt(None, "one RMSNorm over the whole concatenation of captured states before fc "
+                                             "(tensor input_norm; gpt-oss drafters) (default: the drafter preset's, "
+                                             "else off)")
+    norm_output: bool | None = _opt(None, "EAGLE-3.1: the post-norm hidden is what lm_head reads and what the next "
+                                          "draft step receives (default: the drafter preset's, else off)")
     vocab: str | None = _opt(None, "a vocab file from `eagle3 vocab` (default: computed from the training split)")
     # ---- optimisation
     zero_stage: int = _opt(2, "DeepSpeed ZeRO stage 0-3 (configs/deepspeed/zeroN.json; 3 uses the plain path)")
@@ -141,6 +150,11 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+def _bool(text: str) -> bool:
+    from transformers.hf_argparser import string_to_bool
+    return string_to_bool(text)
+
+
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(","))
 
@@ -152,7 +166,7 @@ def train_parser() -> argparse.ArgumentParser:
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     # HfArgumentParser adds --no-X only for flags that default to True; the old BooleanOptionalAction flags had both
     for name, f in fields.items():
-        if f.default is False:
+        if f.default is False or name in TRI_STATE:
             ap.add_argument(f"--no-{name.replace('_', '-')}", dest=name, action="store_false")
     for action in ap._actions:
         f = fields.get(action.dest)
@@ -167,6 +181,8 @@ def train_parser() -> argparse.ArgumentParser:
             action.help = f.metadata["help"] + ("" if shown else f" (default: {default})")
         if f.name == "betas":
             action.type = _floats  # one argument "0.9,0.95", as before (HfArgumentParser would call tuple(text))
+        if f.name in TRI_STATE and not action.option_strings[0].startswith("--no-"):
+            action.nargs, action.const, action.type = "?", True, _bool  # --fc-norm alone means true
     ap.set_defaults(**{name: None for name in fields})  # None = not given: a --config preset may fill it
     ap.add_argument("--config", default=None, help="configs/train preset name or a YAML file (its keys are the "
                                                    "options below, with underscores); flags override it")

@@ -5,7 +5,7 @@ A warm start is only worth anything if the drafter meets the states it was train
 copied the export must agree with the dumps about everything its weights depend on, and each disagreement is an
 error naming both sides (docs/contract.md §7):
 - capture: the hidden states a server captures with the export's `eagle_aux_hidden_state_layer_ids` (the serving
-  rules, eagle3.export.serving, for the dump's target) are exactly the dump's capture indices;
+  rules, eagle3.serving, for the dump's target) are exactly the dump's capture indices;
 - shapes: the export's drafter config, read back by the exporter's own reader (`export_drafter_config`), fits the
   target: hidden size, embedding rows, fc's in-features = capture count x the target's hidden size;
 - vocab map: its d2t/t2d become the run's draft vocabulary; a `--vocab` given as well must be that same map.
@@ -45,8 +45,8 @@ class InitFrom:
 
 def read_init_from(export_dir: str, manifest: C.DumpManifest, sglang_version: str | None = None) -> InitFrom:
     """Load the export at `export_dir` and check it against the dumps' `manifest`; ContractError otherwise."""
-    from eagle3.export.sglang import (PROVENANCE_FILE, WEIGHTS_FILE, capture_indices_of_export, export_drafter_config,
-                                      load_export)
+    from eagle3.model.checkpoint import capture_indices_of_export, export_drafter_config, load_export
+    from eagle3.records import EXPORT_WEIGHTS_FILE as WEIGHTS_FILE, PROVENANCE_FILE
     path = os.path.abspath(export_dir)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--init-from {export_dir}: not a directory")

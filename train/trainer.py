@@ -138,7 +138,7 @@ def drafter_config(cfg: TrainConfig, target_dir: str, num_aux: int):
     vocab and target hidden size always taken from the target."""
     from eagle3 import presets
     from eagle3.target.load import read_config, text_config_dict
-    from eagle3.model import DrafterConfig
+    from eagle3.model import OPTIONS, DrafterConfig
     t = text_config_dict(read_config(target_dir))
     rope = t.get("rope_parameters") or {}
     derived = dict(hidden_size=t["hidden_size"], num_attention_heads=t["num_attention_heads"],
@@ -148,9 +148,15 @@ def drafter_config(cfg: TrainConfig, target_dir: str, num_aux: int):
                    rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 10000.0))),
                    max_position_embeddings=t.get("max_position_embeddings", 4096), draft_vocab_size=32000)
     if cfg.drafter != "auto":
-        derived.update(presets.load("drafters", cfg.drafter))
+        preset = presets.load("drafters", cfg.drafter)
+        if preset.get("layout") == "mla":
+            derived.pop("head_dim")  # MLA's is qk_nope + qk_rope, not the target's
+        derived.update(preset)
     if cfg.draft_vocab_size:
         derived["draft_vocab_size"] = cfg.draft_vocab_size
+    for option in OPTIONS:  # --fc-norm / --norm-before-fc / --norm-output over the preset's
+        if getattr(cfg, option) is not None:
+            derived[option] = bool(getattr(cfg, option))
     derived["draft_vocab_size"] = min(derived["draft_vocab_size"], t["vocab_size"])
     if derived["hidden_size"] != t["hidden_size"]:
         raise ValueError(f"drafter hidden_size {derived['hidden_size']} != target hidden_size {t['hidden_size']}: "
@@ -510,6 +516,13 @@ def train(cfg: TrainConfig) -> dict:
     # --init-from: the export is checked against the dumps before anything is written (train/init_from.py)
     init = read_init_from(cfg.init_from, manifest, cfg.init_from_sglang) if cfg.init_from else None
     if init is not None:
+        from eagle3.model import OPTIONS
+        clash = [f"--{o.replace('_', '-')} {getattr(cfg, o)}" for o in OPTIONS
+                 if getattr(cfg, o) is not None and bool(getattr(cfg, o)) != getattr(init.config, o)]
+        if clash:
+            raise ValueError(f"--init-from {init.path}: its drafter has {init.config.options or 'no EAGLE-3.1 option'} "
+                             f"on; {', '.join(clash)} would train another architecture than the weights it starts "
+                             "from (drop the flag)")
         log(f"[train] starting from {init.path} (served capture HF {init.served_capture}, draft vocab "
             f"{init.config.draft_vocab_size}); the drafter's shape is the export's")
 
@@ -617,7 +630,8 @@ def train(cfg: TrainConfig) -> dict:
         log(f"[train] resumed {run_dir} at step {step} ({resume_tag})"
             + (f"; changed: {resumed['changed']}" if resumed["changed"] else ""))
     n_params = sum(p.numel() for p in trainable)
-    log(f"[train] drafter {n_params / 1e6:.1f}M trainable params, draft vocab {dcfg.draft_vocab_size}, "
+    log(f"[train] drafter {n_params / 1e6:.1f}M trainable params, layout {dcfg.layout}"
+        f"{' + ' + ' + '.join(dcfg.options) if dcfg.options else ''}, draft vocab {dcfg.draft_vocab_size}, "
         f"capture HF {manifest.capture.hidden_state_indices}; {len(train_refs)} train / {len(held_refs)} held-out "
         f"samples; {total} micro-steps ({steps_per_epoch}/epoch/rank), world {world.world_size}"
         + (f" (sequence parallel {sp})" if sp > 1 else "") + ", ZeRO "

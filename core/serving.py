@@ -123,7 +123,7 @@ def check_release(release: str | Release) -> Release:
             f"SGLang {r} is outside the releases whose capture rules are known ({SGLANG_OLDEST} - {SGLANG_LATEST})"
             + ("; a newer release may have changed how eagle_aux_hidden_state_layer_ids map to captured layers: "
                "read set_eagle3_layers_to_capture in sglang/srt/models/ of that release and extend "
-               "eagle3.export.serving.SGLANG_RULES" if newer else "; EAGLE-3 export targets SGLang >= " + SGLANG_OLDEST))
+               "eagle3.serving.SGLANG_RULES" if newer else "; EAGLE-3 export targets SGLang >= " + SGLANG_OLDEST))
     if str(r) not in SGLANG_RELEASES:
         raise ContractError(f"SGLang {r} is not a published release (known {SGLANG_OLDEST} - {SGLANG_LATEST}; "
                             f"nearby: {', '.join(x for x in SGLANG_RELEASES if parse_release(x)[:3] == r[:3])})")
@@ -136,7 +136,7 @@ def serving_family(model_type: str) -> str:
     if fam is None:
         raise ContractError(f"target model_type {model_type!r} has no known SGLang EAGLE-3 capture rule "
                             f"(known: {', '.join(sorted(SERVING_FAMILIES))}); add it to "
-                            "eagle3.export.serving.SERVING_FAMILIES once its set_eagle3_layers_to_capture is read")
+                            "eagle3.serving.SERVING_FAMILIES once its set_eagle3_layers_to_capture is read")
     return fam
 
 
@@ -325,3 +325,70 @@ def sglang_releases_reproducing(ids: Sequence[int] | None, capture: Sequence[int
     capture = sorted(capture)
     rels = [r for r in SGLANG_RELEASES if _try_forward(ids, model_type, r, num_layers) == capture]
     return _ranges(rels)
+
+
+# ============================================================================================ drafter features
+#
+# Which serving releases honour each drafter architecture and EAGLE-3.1 option (docs/drafters.md, "Serving releases";
+# read from each release's sglang/srt/models/llama_eagle3.py / kimi_k25_eagle3.py and vLLM's llama_eagle3.py /
+# deepseek_eagle3.py). A release that predates a feature ignores its config key and drops (SGLang's Llama class:
+# silently) its tensors, which serves a drafter other than the one trained: the export refuses it. None: no known
+# release honours it.
+
+VLLM_LATEST = "0.34.0"  # the newest vLLM whose drafter files these rows were read from
+
+SGLANG_FEATURES: dict[str, dict[str, str | None]] = {
+    "llama": {"layout": SGLANG_OLDEST, "fc_norm": "0.5.12", "norm_output": "0.5.12", "norm_before_fc": "0.5.17"},
+    # kimi_k25_eagle3.py: the class from 0.5.12, fc_norm / norm_output from 0.5.13; norm_before_fc never read
+    "mla": {"layout": "0.5.12", "fc_norm": "0.5.13", "norm_output": "0.5.13", "norm_before_fc": None},
+}
+VLLM_FEATURES: dict[str, dict[str, str | None]] = {
+    "llama": {"layout": "0.10.0", "fc_norm": "0.22.0", "norm_output": "0.22.0", "norm_before_fc": "0.18.0"},
+    # deepseek_eagle3.py from 0.18.0; fc_norm built in 0.22.x but applied only from 0.23.0; norm_before_fc never
+    "mla": {"layout": "0.18.0", "fc_norm": "0.23.0", "norm_output": "0.22.0", "norm_before_fc": None},
+}
+FEATURE_WHAT = {"layout": "the architecture", "fc_norm": "fc_norm (fc_norm.{i} tensors)",
+                "norm_output": "norm_output", "norm_before_fc": "norm_before_fc (input_norm tensor)"}
+
+
+def first_release_serving(engine: str, layout: str, options: Sequence[str]) -> str | None:
+    """The oldest release of `engine` that honours this architecture and every option; None when none does."""
+    table = (SGLANG_FEATURES if engine == "sglang" else VLLM_FEATURES)[layout]
+    firsts = [table[f] for f in ("layout", *options)]
+    if any(f is None for f in firsts):
+        return None
+    return max(firsts, key=parse_release)
+
+
+def check_drafter_served(engine: str, release: str | None, layout: str, options: Sequence[str],
+                         architecture: str, q_lora_rank: int | None = None) -> None:
+    """ContractError, naming the release and each option, when `engine` `release` (None for vLLM: VLLM_LATEST)
+    would not serve this drafter as trained: its class absent, an option's key ignored or its tensors dropped."""
+    name = "SGLang" if engine == "sglang" else "vLLM"
+    if release is None:
+        release = VLLM_LATEST if engine == "vllm" else SGLANG_LATEST
+    r = check_release(release) if engine == "sglang" else parse_release(release)
+    if engine == "vllm" and r > parse_release(VLLM_LATEST):
+        raise ContractError(f"vLLM {r} is newer than the releases whose drafter files were read (<= {VLLM_LATEST}); "
+                            "extend eagle3.serving.VLLM_FEATURES after reading its llama_eagle3.py / "
+                            "deepseek_eagle3.py")
+    table = (SGLANG_FEATURES if engine == "sglang" else VLLM_FEATURES)[layout]
+    problems = []
+    for f in ("layout", *options):
+        first = table[f]
+        what = architecture if f == "layout" else FEATURE_WHAT[f]
+        if first is None:
+            problems.append(f"no {name} release serves {what} on {architecture} (the key is ignored and its tensor "
+                            "dropped)")
+        elif r < parse_release(first):
+            problems.append(f"{what} on {architecture} is served from {first} on")
+    if problems:
+        first = first_release_serving(engine, layout, options)
+        hint = (f"; this drafter needs {name} >= {first}" if first else
+                "; retrain without that option (eagle3 train --no-<option>)")
+        problems[-1] += hint
+    if layout == "mla" and not q_lora_rank:
+        problems.append(f"{architecture} in {name} needs q_lora_rank (it builds q_a_proj -> q_b_proj; a drafter "
+                        "with q_proj straight from the input cannot be loaded): retrain with a q_lora_rank")
+    if problems:
+        raise ContractError(f"{name} {r} would not serve this drafter as trained: " + "; ".join(problems))
