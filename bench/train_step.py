@@ -30,13 +30,26 @@ import time
 import torch
 
 H, NH, NKV, HD, I, VD, VT, NAUX = 7168, 64, 64, 128, 18432, 32000, 163840, 3
+# --layout mla: TorchSpec's Kimi-K2.5 MLA drafter (configs/drafters/kimi-k2.5-mla.yaml) with the peer's draft vocab
+MLA = dict(layout="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+           v_head_dim=128, rope_theta=50000.0, rms_norm_eps=1e-5,
+           rope_scaling={"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
+LAYOUT, OPTIONS = "llama", ()  # set by --layout / --options (bench/train_step_sp.py too)
 
 
 def flops_per_token(T, K):
-    """Identical to the peer's: fc once; per step q/k/v (input 2H), o, MLP, draft lm_head, causal attention;
-    x3 for forward + backward; plus the teacher's full-vocab lm_head forward."""
-    per_step = 2 * (2 * H) * (NH * HD + 2 * NKV * HD) + 2 * (NH * HD) * H + 2 * 3 * H * I + 2 * H * VD
-    per_step += 2 * 2 * (NH * HD) * (T / 2)
+    """Identical to the peers' (peer_specforge_step.py, and peer_torchspec_mla_step.py for MLA): fc once; per step
+    the attention projections (input 2H), o, MLP, draft lm_head, causal attention (QK over the q/k width, PV over
+    the v width, T/2 keys on average); x3 for forward + backward; plus the teacher's full-vocab lm_head forward.
+    The EAGLE-3.1 norms are not counted (elementwise), so an option's cost shows as lower MFU."""
+    if LAYOUT == "mla":
+        ql, kl, qk, r, v = MLA["q_lora_rank"], MLA["kv_lora_rank"], 128 + 64, 64, 128
+        per_step = 2 * (2 * H) * ql + 2 * ql * NH * qk + 2 * (2 * H) * (kl + r) + 2 * kl * NH * (128 + v)
+        per_step += 2 * NH * v * H + 2 * 3 * H * I + 2 * H * VD + 2 * NH * (qk + v) * (T / 2)
+    else:
+        per_step = 2 * (2 * H) * (NH * HD + 2 * NKV * HD) + 2 * (NH * HD) * H + 2 * 3 * H * I + 2 * H * VD
+        per_step += 2 * 2 * (NH * HD) * (T / 2)
     return 3 * (2 * NAUX * H * H + K * per_step) + 2 * H * VT
 
 
@@ -57,9 +70,15 @@ def matmul_peak():
 
 def drafter_config():
     from eagle3.model import DrafterConfig
-    return DrafterConfig(hidden_size=H, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=HD,
-                         intermediate_size=I, vocab_size=VT, draft_vocab_size=VD, target_hidden_size=H,
-                         rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=131072, num_aux_layers=NAUX)
+    shape = dict(head_dim=HD, rms_norm_eps=1e-6, rope_theta=1e6) if LAYOUT == "llama" else MLA
+    return DrafterConfig(hidden_size=H, num_attention_heads=NH, num_key_value_heads=NKV, intermediate_size=I,
+                         vocab_size=VT, draft_vocab_size=VD, target_hidden_size=H, max_position_embeddings=262144,
+                         num_aux_layers=NAUX, **shape, **{o: True for o in OPTIONS})
+
+
+def set_drafter(layout: str, options: str) -> None:
+    global LAYOUT, OPTIONS
+    LAYOUT, OPTIONS = layout, tuple(o for o in options.split(",") if o)
 
 
 def build(seed=0):
@@ -177,13 +196,17 @@ def main():
     ap.add_argument("--peer-tokens", default="4096,8192,32768")
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--layout", default="llama", choices=["llama", "mla"], help="the drafter layout timed")
+    ap.add_argument("--options", default="", help="EAGLE-3.1 options on, comma-separated (fc_norm,norm_output)")
     a = ap.parse_args()
+    set_drafter(a.layout, a.options)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "train_step.jsonl")
     variants = a.variants.split(",")
     K = a.ttt
     peak = matmul_peak()
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cmd": " ".join(sys.argv),
+           "layout": LAYOUT, "options": list(OPTIONS),
            "bf16_matmul_peak_tflops": round(peak / 1e12, 1), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     rows = []
 
@@ -226,8 +249,9 @@ def main():
                        "fast_full": [int(x) for x in a.full_tokens.split(",")],
                        "fast_fa2": [int(x) for x in a.fa2_tokens.split(",")]}[v]
             kernels.set_cuda_attention_kernel("flash" if v == "fast_fa2" else "auto")
+            width = max(drafter.midlayer.self_attn.qk_dim, drafter.midlayer.self_attn.v_dim)
             attn = "sdpa" if v == "eager" else kernels.cuda_attention_kernel(
-                torch.empty(1, NH, 1, HD, device="cuda", dtype=torch.bfloat16))
+                torch.empty(1, NH, 1, width, device="cuda", dtype=torch.bfloat16))
             for T in allowed:
                 for ckpt in (["none", "mlp", "step"] if v.startswith("fast") else ["none"]):
                     torch.cuda.empty_cache()

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train_step  # noqa: E402
 from train_step import batch, build, flops_per_token, matmul_peak, timed  # noqa: E402
 
 
@@ -34,7 +35,10 @@ def main():
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--checkpointing", default="step", choices=["none", "mlp", "step", "step_mlp"])
     ap.add_argument("--pieces", default="1", help="pieces per GPU share: one value, or one per --tokens entry")
+    ap.add_argument("--layout", default="llama", choices=["llama", "mla"], help="the drafter layout timed")
+    ap.add_argument("--options", default="", help="EAGLE-3.1 options on, comma-separated (fc_norm,norm_output)")
     a = ap.parse_args()
+    train_step.set_drafter(a.layout, a.options)
     lengths = list(map(int, a.tokens.split(",")))
     pieces = list(map(int, a.pieces.split(",")))
     pieces = pieces * len(lengths) if len(pieces) == 1 else pieces
@@ -96,6 +100,7 @@ def main():
     if rank == 0:
         os.makedirs(a.out, exist_ok=True)
         meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "gpus": n,
+                "layout": train_step.LAYOUT, "options": list(train_step.OPTIONS),
                 "bf16_matmul_peak_tflops_per_gpu": round(peak / n / 1e12, 1), "time": time.strftime("%F %T")}
         with open(os.path.join(a.out, "train_step_sp.jsonl"), "a") as f:
             for r in rows:

@@ -330,3 +330,38 @@ def test_full_vocab_drafter():
     aux, ids, am = batch(d.config)
     out = d.ttt_forward(aux, ids, am, steps=2)
     assert d.draft_logits(out[1]).shape == (2, 11, 50)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device by bench/mla_step.sh)")
+@pytest.mark.parametrize("case", ["mla+fc_norm+norm_output", "llama+fc_norm+norm_output"])
+def test_cuda_fast_path_matches_float64(case):
+    """The CUDA kernels (FlashAttention-2 with values padded to the key width for MLA; cuDNN or FA2 for Llama) in
+    bf16: outputs and gradients against the float64 plain path on the CPU, no further off than the plain bf16 path
+    on the same GPU."""
+    import copy
+    cfg = dict(CASES[case], hidden_size=256, intermediate_size=512, target_hidden_size=256)
+    if cfg["layout"] == "mla":
+        cfg.update(qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, kv_lora_rank=64, q_lora_rank=96)
+    else:
+        cfg.update(head_dim=64)
+    torch.manual_seed(0)
+    d = Eagle3Drafter(DrafterConfig(**cfg)).double()
+    aux, ids, am = batch(d.config, T=300, lengths=(300, 200))
+    real = am.bool()
+    w = [torch.randn(2, 300, 256, generator=torch.Generator().manual_seed(j), dtype=torch.float64) for j in range(4)]
+
+    def run(fast, device, dtype):
+        m = copy.deepcopy(d).to(device=device, dtype=dtype)
+        outs = m.ttt_forward(aux.to(device, dtype), ids.to(device), am.to(device), steps=4, fast=fast)
+        sum((o.double() * wj.to(device))[real.to(device)].sum() for o, wj in zip(outs, w)).backward()
+        return ([o.detach().double().cpu()[real] for o in outs],
+                {n: p.grad.double().cpu() for n, p in m.named_parameters() if p.grad is not None})
+
+    ref_o, ref_g = run(False, "cpu", torch.float64)
+    err = {}
+    for fast in (False, True):
+        o, g = run(fast, "cuda", torch.bfloat16)
+        err[fast] = (max(float((a - b).norm() / b.norm()) for a, b in zip(o, ref_o)),
+                     max(float((g[n] - ref_g[n]).norm() / ref_g[n].norm()) for n in ref_g))
+    assert err[True][0] < 3e-2 and err[True][1] < 6e-2, err
+    assert err[True][0] < 1.5 * err[False][0] + 1e-3 and err[True][1] < 1.5 * err[False][1] + 1e-3, err
