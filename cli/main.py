@@ -222,7 +222,11 @@ def cmd_vocab(a: argparse.Namespace) -> None:
 
 def cmd_inspect(a: argparse.Namespace) -> None:
     import json
-    from eagle3.data.inspect import inspect_path, render
+    import os
+    if os.path.isfile(os.path.join(a.path, "config.json")):  # a drafter directory (ours or a published one)
+        from eagle3.model.checkpoint import inspect_export as inspect_path, render_export as render
+    else:
+        from eagle3.data.inspect import inspect_path, render
     report = inspect_path(a.path, verify=not a.no_verify)
     print(json.dumps(report, indent=1) if a.json else render(report))
     if str(report.get("verified", "")).startswith("FAILED"):
@@ -301,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", parents=[train_parser()],
                        help="fit the drafter with DeepSpeed (launch with `deepspeed --module eagle3.train`)")
     p.set_defaults(fn=cmd_train)
-    p = sub.add_parser("inspect", help="describe and verify a dump directory")
+    p = sub.add_parser("inspect", help="describe and verify a dump directory or a drafter export (architecture, "
+                                       "options, draft KV bytes per token)")
     p.add_argument("path")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-verify", action="store_true")
@@ -340,6 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None, help="default: the example training preset's")
     p.add_argument("--drafter", default=None,
                    help="train: a configs/drafters preset (default: the example training preset's, smollm2-135m)")
+    for option, what in (("fc-norm", "EAGLE-3.1: one RMSNorm per captured state before fc"),
+                         ("norm-before-fc", "one RMSNorm over the concatenated captured states before fc"),
+                         ("norm-output", "EAGLE-3.1: lm_head reads, and the next draft step receives, the post-norm "
+                                         "hidden")):
+        p.add_argument(f"--{option}", action=argparse.BooleanOptionalAction, default=None,
+                       help=f"train: {what} (default: the drafter preset's, off for the example's)")
     p.add_argument("--ttt-steps", type=int, default=None,
                    help="training-time-test unroll (default: --draft-steps on a CPU, the preset's on a GPU)")
     p.add_argument("--draft-steps", type=int, default=q.draft_steps, help="chain length in the eval")

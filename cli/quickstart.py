@@ -36,6 +36,9 @@ class QuickstartConfig:
     draft_vocab_size: int | None = None  # default: 2048 on a CPU (cheaper head), the drafter preset's on a GPU
     lr: float | None = None          # default: the example training preset's
     drafter: str | None = None       # a configs/drafters preset; default: the example training preset's
+    fc_norm: bool | None = None      # train: the EAGLE-3.1 options (default: the drafter preset's)
+    norm_before_fc: bool | None = None
+    norm_output: bool | None = None
     draft_steps: int = 5             # chain length in eval (and training's held-out decoding replay)
     ttt_steps: int | None = None     # training-time-test unroll; default: draft_steps on a CPU, the preset's on a GPU
     eval_prompts: int = 8
@@ -193,6 +196,9 @@ def run_quickstart(q: QuickstartConfig) -> dict:
         fields["loss_tokens"] = q.loss_tokens
     if q.aux_noise is not None:
         fields["aux_noise"] = q.aux_noise
+    for option in ("fc_norm", "norm_before_fc", "norm_output"):
+        if getattr(q, option) is not None:
+            fields[option] = getattr(q, option)
     fields["ttt_steps"] = q.ttt_steps or (fields.get("ttt_steps", 7) if on_gpu else q.draft_steps)
     if fields["resume"]:
         print("[quickstart] a training run is already there; resuming it (nothing left to do if done)",

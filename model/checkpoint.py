@@ -287,6 +287,15 @@ def load_export(export_dir: str,
     return config, tensors, prov
 
 
+def weights_sha256(export_dir: str) -> str:
+    """What identifies a drafter directory's weights: model.safetensors' sha256, or for a sharded published one the
+    sha256 of its shards' names and sha256s in order."""
+    files = _weight_files(export_dir, foreign=True)
+    if len(files) == 1:
+        return C.file_sha256(files[0])
+    return C.sha256_bytes(C.canonical_json([[os.path.basename(f), C.file_sha256(f)] for f in files]))
+
+
 def _weight_files(export_dir: str, foreign: bool) -> list[str]:
     """model.safetensors; a published drafter may come as shards (model-0000N-of-0000M.safetensors)."""
     single = os.path.join(export_dir, WEIGHTS_FILE)
@@ -318,3 +327,54 @@ def capture_indices_of_export(export_dir: str, num_layers: int, sglang_version: 
                               f"({prov.target.model_type}), asked about a {num_layers}-layer one")
     return _served_capture(config, prov.engine, prov.target.model_type, sglang_version or prov.sglang_release,
                            num_layers)
+
+
+def inspect_export(export_dir: str, verify: bool = True) -> dict:
+    """`eagle3 inspect EXPORT`: what the drafter is (SGLang class, layout, options, shapes, draft KV cache bytes per
+    token), what it was trained on and for which server, and whether it verifies (load_export's checks)."""
+    config = C.read_json(os.path.join(export_dir, CONFIG_FILE))
+    report: dict = {"kind": "export", "path": os.path.abspath(export_dir)}
+    try:
+        prov = _read_provenance(export_dir, allow_foreign=True)
+        dcfg = export_drafter_config(config, prov, f"{export_dir}/{CONFIG_FILE}")
+        if verify:
+            load_export(export_dir, allow_foreign=prov is None)
+        report["verified"] = ("ok" if prov is not None else "shapes only (no provenance: a drafter from elsewhere)") \
+            if verify else "not checked (--no-verify)"
+    except (C.ContractError, OSError, ValueError) as e:
+        report["verified"] = f"FAILED: {e}"
+        return report
+    import math
+    from eagle3.model import architecture, tensor_shapes
+    n_params = sum(math.prod(s) for k, s in tensor_shapes(dcfg).items() if k not in ("d2t", "t2d"))
+    report.update(architecture=architecture(dcfg), layout=dcfg.layout, options=dcfg.options,
+                  drafter=dcfg.to_dict(), parameters=n_params,
+                  draft_kv_bytes_per_token=dcfg.draft_kv_bytes_per_token(),
+                  eagle_aux_hidden_state_layer_ids=(config.get("eagle_config") or {}).get(
+                      "eagle_aux_hidden_state_layer_ids"))
+    if prov is not None:
+        report.update(engine=prov.engine, release=prov.sglang_release or prov.vllm_release,
+                      trained_capture=prov.capture.hidden_state_indices, target=prov.target.path,
+                      served_capture=prov.served_capture_indices, server_command=prov.server_command)
+    return report
+
+
+def render_export(r: dict) -> str:
+    if str(r.get("verified", "")).startswith("FAILED"):
+        return f"export      {r['path']}\nverified    {r['verified']}"
+    d = r["drafter"]
+    attn = (f"MLA q_lora {d['q_lora_rank']}, kv_lora {d['kv_lora_rank']}, qk {d['qk_nope_head_dim']}+"
+            f"{d['qk_rope_head_dim']}, v {d['v_head_dim']}" if r["layout"] == "mla"
+            else f"heads {d['num_attention_heads']}/{d['num_key_value_heads']} x {d['head_dim']}")
+    lines = [f"export      {r['path']}",
+             f"drafter     {r['architecture']} (layout {r['layout']}), options: {', '.join(r['options']) or 'none'}",
+             f"shape       hidden {d['hidden_size']}, {attn}, intermediate {d['intermediate_size']}, draft vocab "
+             f"{d['draft_vocab_size']} of {d['vocab_size']}; {r['parameters'] / 1e6:,.1f}M parameters",
+             f"draft KV    {r['draft_kv_bytes_per_token']:,} B per speculated token (bf16)",
+             f"ids         eagle_aux_hidden_state_layer_ids {r['eagle_aux_hidden_state_layer_ids']}"]
+    if "engine" in r:
+        lines += [f"serving     {r['engine']} {r['release']}: captures HF {r['served_capture']} (trained on HF "
+                  f"{r['trained_capture']}), target {r['target']}",
+                  f"launch      {r['server_command']}"]
+    lines.append(f"verified    {r['verified']}")
+    return "\n".join(lines)

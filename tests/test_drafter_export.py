@@ -179,3 +179,14 @@ def trained_plain_export(tiny_run, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("plain_export") / "x")
     export_drafter(tiny_run, out)
     return out
+
+
+def test_inspect_states_architecture_options_and_kv_bytes(variant_exports, capsys):
+    from eagle3.cli import main
+    main(["inspect", variant_exports["mla+fc_norm+norm_output"]])
+    out = capsys.readouterr().out
+    assert "Eagle3DeepseekV2ForCausalLM (layout mla), options: fc_norm, norm_output" in out
+    assert "draft KV    48 B per speculated token" in out and "verified    ok" in out
+    main(["inspect", "--json", variant_exports["llama+norm_before_fc"]])
+    r = json.loads(capsys.readouterr().out)
+    assert r["options"] == ["norm_before_fc"] and r["draft_kv_bytes_per_token"] == 128 and r["verified"] == "ok"

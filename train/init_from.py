@@ -1,5 +1,7 @@
 """`eagle3 train --init-from EXPORT_DIR`: start the drafter from an exported one (ours, or a published SGLang EAGLE-3
-drafter directory: config.json + model.safetensors) instead of from random weights.
+drafter directory of either layout and version -- LlamaForCausalLMEagle3 or Eagle3DeepseekV2ForCausalLM, EAGLE-3 or
+3.1: config.json + safetensors, tensor names as SGLang's loaders accept them) instead of from random weights. The
+layout and the EAGLE-3.1 options come from its config.json, read where SGLang reads them.
 
 A warm start is only worth anything if the drafter meets the states it was trained on, so before a weight is
 copied the export must agree with the dumps about everything its weights depend on, and each disagreement is an
@@ -25,7 +27,7 @@ from eagle3 import contract as C
 @dataclass
 class InitFrom:
     path: str                      # the export directory (absolute)
-    config: object                 # its DrafterConfig (eagle3.model.drafter), checked against the target
+    config: object                 # its DrafterConfig (eagle3.model), checked against the target
     tensors: dict                  # {checkpoint key: tensor} as exported
     weights_sha256: str            # of its model.safetensors: what run.json records as the start
     served_capture: list[int]      # HF indices a server captures with its ids (== the dump's)
@@ -45,8 +47,8 @@ class InitFrom:
 
 def read_init_from(export_dir: str, manifest: C.DumpManifest, sglang_version: str | None = None) -> InitFrom:
     """Load the export at `export_dir` and check it against the dumps' `manifest`; ContractError otherwise."""
-    from eagle3.model.checkpoint import capture_indices_of_export, export_drafter_config, load_export
-    from eagle3.records import EXPORT_WEIGHTS_FILE as WEIGHTS_FILE, PROVENANCE_FILE
+    from eagle3.model.checkpoint import capture_indices_of_export, export_drafter_config, load_export, weights_sha256
+    from eagle3.records import PROVENANCE_FILE
     path = os.path.abspath(export_dir)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--init-from {export_dir}: not a directory")
@@ -77,7 +79,7 @@ def read_init_from(export_dir: str, manifest: C.DumpManifest, sglang_version: st
         raise C.ContractError(f"--init-from {path}/config.json does not fit the dumps' target {target.path}: "
                               + "; ".join(problems))
     return InitFrom(path=path, config=dcfg, tensors=tensors,
-                    weights_sha256=C.file_sha256(os.path.join(path, WEIGHTS_FILE)), served_capture=served)
+                    weights_sha256=weights_sha256(path), served_capture=served)
 
 
 def _is_exports_map(init: InitFrom, d2t: torch.Tensor, t2d: torch.Tensor) -> bool:
