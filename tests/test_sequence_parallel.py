@@ -17,13 +17,20 @@ from eagle3.train.sequence_parallel import (chunk_of, halo, piece_chunks, sequen
                                             sequence_pieces_loss)
 
 from test_drafter import make_drafter
+from test_drafter_layouts import make as make_layout
+
+
+def drafter(layout="llama"):
+    """The Llama-layout test drafter, or the MLA one with fc_norm + norm_output (q/k width 10, v width 5)."""
+    return make_drafter() if layout == "llama" else make_layout("mla+fc_norm+norm_output")
+
 
 T, K, DECAY, CHUNK = 37, 4, 0.8, 8   # CHUNK < tokens per rank: the chunked soft cross-entropy is exercised too
 
 
-def sample(seed=1):
+def sample(seed=1, layout="llama"):
     g = torch.Generator().manual_seed(seed)
-    d = make_drafter()
+    d = drafter(layout)
     Ht, V = d.config.target_hidden_size, d.config.vocab_size
     loss_mask = (torch.rand(1, T, generator=g) > 0.3).long()
     loss_mask[0, :5] = 0                          # a prompt
@@ -34,8 +41,8 @@ def sample(seed=1):
             "lm_head": torch.randn(V, Ht, generator=g, dtype=torch.float64)}
 
 
-def unsplit():
-    s, d = sample(), make_drafter()
+def unsplit(layout="llama"):
+    s, d = sample(layout=layout), drafter(layout)
     outs = d.ttt_forward(s["hidden_state"], s["input_ids"], None, K)
     loss, m = eagle3_loss(d, outs, s["target_hidden"], s["lm_head"], s["input_ids"], s["loss_mask"], None,
                           decay=DECAY, chunk_tokens=CHUNK)
@@ -44,11 +51,11 @@ def unsplit():
     return loss.detach(), m, grads
 
 
-def _worker(rank, size, port, out, fast, checkpointing):
+def _worker(rank, size, port, out, fast, checkpointing, layout):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=size)
     try:
-        s, d = sample(), make_drafter()
+        s, d = sample(layout=layout), drafter(layout)
         d.activation_checkpointing = checkpointing
         loss, m = sequence_parallel_loss(d, s["lm_head"], s["hidden_state"], s["input_ids"], s["loss_mask"],
                                          s["target_hidden"], steps=K, decay=DECAY, chunk_tokens=CHUNK, fast=fast)
@@ -85,14 +92,16 @@ def test_chunks_cover_the_sequence_and_their_halos_reach_every_label():
         chunk_of(3, 4, 0, K)
 
 
-@pytest.mark.parametrize("size,fast,checkpointing", [(2, False, "none"), (3, False, "mlp"), (2, True, "none"),
-                                                     (3, True, "step")])
-def test_split_step_equals_the_unsplit_step(size, fast, checkpointing, tmp_path):
+@pytest.mark.parametrize("size,fast,checkpointing,layout", [(2, False, "none", "llama"), (3, False, "mlp", "llama"),
+                                                            (2, True, "none", "llama"), (3, True, "step", "llama"),
+                                                            (2, True, "step", "mla")])
+def test_split_step_equals_the_unsplit_step(size, fast, checkpointing, layout, tmp_path):
     """The plain path and the fused kernels (model/kernels.py, CPU flash attention in float64), the latter also under
-    'step' checkpointing, whose recompute must not repeat the group's collective, against the plain unsplit step."""
-    ref_loss, ref_m, ref_grads = unsplit()
+    'step' checkpointing, whose recompute must not repeat the group's collective, against the plain unsplit step;
+    the MLA drafter (keys and values of different widths through the prefix block) too."""
+    ref_loss, ref_m, ref_grads = unsplit(layout)
     out = str(tmp_path / "sp.safetensors")
-    mp.spawn(_worker, args=(size, _port(), out, fast, checkpointing), nprocs=size, join=True)
+    mp.spawn(_worker, args=(size, _port(), out, fast, checkpointing, layout), nprocs=size, join=True)
     got = load_file(out)
     torch.testing.assert_close(got["loss"][0], ref_loss, rtol=1e-12, atol=1e-12)
     assert torch.equal(got["count"], ref_m["count"]) and ref_m["count"].min() > 0
@@ -104,15 +113,16 @@ def test_split_step_equals_the_unsplit_step(size, fast, checkpointing, tmp_path)
         torch.testing.assert_close(got[f"grad.{n}"], g, rtol=1e-10, atol=1e-12, msg=n)
 
 
-@pytest.mark.parametrize("pieces,fast,checkpointing,argmax", [(2, False, "none", False), (3, False, "mlp", False),
-                                                              (2, True, "step", True), (3, True, "step_mlp", False)])
-def test_pieces_on_one_process_give_the_unsplit_step(pieces, fast, checkpointing, argmax):
+@pytest.mark.parametrize("pieces,fast,checkpointing,argmax,layout", [
+    (2, False, "none", False, "llama"), (3, False, "mlp", False, "llama"), (2, True, "step", True, "llama"),
+    (3, True, "step_mlp", False, "llama"), (3, True, "step", True, "mla"), (2, False, "none", False, "mla")])
+def test_pieces_on_one_process_give_the_unsplit_step(pieces, fast, checkpointing, argmax, layout):
     """One process taking the row in 2 or 3 pieces, each with its own backward (the earlier pieces' keys as leaves
     whose gradients reach those pieces later): the unsplit loss, metrics and gradients in float64, on the plain path
     and on the fused kernels with step / step_mlp checkpointing (the dumped full-vocab argmax with the draft rows of
     the head in one case). A piece that lost the gradient later pieces put on its keys would fail the k/v grads."""
-    ref_loss, ref_m, ref_grads = unsplit()
-    s, d = sample(), make_drafter()
+    ref_loss, ref_m, ref_grads = unsplit(layout)
+    s, d = sample(layout=layout), drafter(layout)
     d.activation_checkpointing = checkpointing
     extra = {}
     if argmax:
