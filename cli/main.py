@@ -248,9 +248,11 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
 def cmd_export_sglang(a: argparse.Namespace) -> None:
     from eagle3.export.sglang import export_drafter
     prov = export_drafter(a.run, a.out, step=a.step, engine=a.engine, sglang_version=a.sglang_version,
-                          allow_cuda_graph_mismatch=a.allow_cuda_graph_mismatch)
-    where = f"SGLang {prov.sglang_release}" if prov.engine == "sglang" else "vLLM"
+                          allow_cuda_graph_mismatch=a.allow_cuda_graph_mismatch, vllm_version=a.vllm_version)
+    where = f"SGLang {prov.sglang_release}" if prov.engine == "sglang" else f"vLLM {prov.vllm_release}"
     print(f"exported step {prov.step} of {a.run} -> {a.out}")
+    print(f"drafter: {prov.architecture}, options: {', '.join(prov.options) or 'none'}; draft KV cache "
+          f"{prov.draft_kv_bytes_per_token:,} B per speculated token")
     print(f"eagle_aux_hidden_state_layer_ids: {prov.eagle_aux_hidden_state_layer_ids}")
     print(f"{where} will capture HF {prov.served_capture_indices} (trained on HF "
           f"{prov.capture.hidden_state_indices})")
@@ -269,15 +271,20 @@ def _step_arg(text: str) -> int | str:
 
 
 def _add_export_sglang(sub) -> None:
-    from eagle3.serving import SGLANG_LATEST
-    p = sub.add_parser("export-sglang", help="export a trained drafter for SGLang (LlamaForCausalLMEagle3) or vLLM")
+    from eagle3.serving import SGLANG_LATEST, VLLM_LATEST
+    p = sub.add_parser("export-sglang", help="export a trained drafter for SGLang (LlamaForCausalLMEagle3 or "
+                                             "Eagle3DeepseekV2ForCausalLM) or vLLM")
     p.add_argument("--run", required=True, help="training run directory (eagle3 train --out)")
     p.add_argument("--step", type=_step_arg, default=None,
                    help="checkpoint step, or 'best' (best held-out decoding acceptance; default: the latest)")
     p.add_argument("--out", required=True, help="output directory (config.json, model.safetensors, provenance)")
     p.add_argument("--sglang-version", default=SGLANG_LATEST,
-                   help=f"SGLang release the ids are computed for (default {SGLANG_LATEST})")
+                   help=f"SGLang release the ids are computed for and that must serve the drafter's architecture "
+                        f"and options (default {SGLANG_LATEST})")
     p.add_argument("--engine", choices=["sglang", "vllm"], default="sglang")
+    p.add_argument("--vllm-version", default=VLLM_LATEST,
+                   help=f"--engine vllm: the vLLM release that must serve the drafter's architecture and options "
+                        f"(default {VLLM_LATEST})")
     p.add_argument("--allow-cuda-graph-mismatch", action="store_true",
                    help="SGLang <= 0.5.10.post1 with a non-default capture set: export anyway (serve with "
                         "--disable-cuda-graph)")
