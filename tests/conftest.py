@@ -47,3 +47,12 @@ def tiny_run(tiny_dump, tiny_targets, tmp_path_factory):
                       max_steps=4, save_interval=2, token_budget=512, warmup_steps=1, held_out_fraction=0.0,
                       num_workers=0, progress=False, wandb_mode="disabled"))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tiny_run, tmp_path_factory):
+    """tiny_run's latest checkpoint exported for SGLang (the Llama layout, no option): read only."""
+    from eagle3.export.sglang import export_drafter
+    out = str(tmp_path_factory.mktemp("tiny_export") / "export")
+    export_drafter(tiny_run, out)
+    return out

@@ -18,11 +18,15 @@ CFG = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_di
 
 def make_drafter(seed=0, dtype=torch.float64, **over) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    d = Eagle3Drafter(DrafterConfig(**dict(CFG, **over))).to(dtype)
+    return randomize(Eagle3Drafter(DrafterConfig(**dict(CFG, **over))).to(dtype))
+
+
+def randomize(d: Eagle3Drafter) -> Eagle3Drafter:
+    """Random weights (every norm's too), a random target embedding and a random draft vocab map."""
     with torch.no_grad():
         for name, p in d.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))  # not all ones: a swapped norm must show
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))  # not all ones: a swapped or skipped norm must show
             else:
                 p.copy_(torch.randn_like(p) * (0.5 / math.sqrt(p.shape[-1]) if p.dim() == 2 else 1))
         d.load_target_embedding(torch.randn_like(d.embed_tokens.weight))

@@ -160,10 +160,10 @@ def _sglang_env() -> str | None:
 @pytest.mark.slow
 @pytest.mark.skipif(_sglang_env() is None, reason="SGLang 0.5.23's CPU environment is not built here "
                                                   "(bash ../shared/sglang_cpu_env.sh); its result is in bench/RESULTS.md")
-def test_sglang_loads_and_decodes_every_export(variant_exports, trained_plain_export):
+def test_sglang_loads_and_decodes_every_export(variant_exports, tiny_export):
     """SGLang 0.5.23's own classes build each export, load every tensor into the right parameter, read the options,
     and a decode written from its semantics reproduces forward_step (bench/sglang_check.py)."""
-    exports = [*variant_exports.values(), trained_plain_export]
+    exports = [*variant_exports.values(), tiny_export]
     p = subprocess.run(["bash", "bench/sglang_check.sh", *exports], cwd=os.path.dirname(os.path.dirname(__file__)),
                        capture_output=True, text=True, timeout=900)
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
@@ -171,14 +171,6 @@ def test_sglang_loads_and_decodes_every_export(variant_exports, trained_plain_ex
     for r in rows:
         assert r["ok"], r
         assert r["options_sglang_read"] == r["options_recorded"] and r["loaded"] >= 10
-
-
-@pytest.fixture(scope="module")
-def trained_plain_export(tiny_run, tmp_path_factory):
-    from eagle3.export.sglang import export_drafter
-    out = str(tmp_path_factory.mktemp("plain_export") / "x")
-    export_drafter(tiny_run, out)
-    return out
 
 
 def test_inspect_states_architecture_options_and_kv_bytes(variant_exports, capsys):

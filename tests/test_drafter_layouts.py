@@ -11,6 +11,8 @@ import torch
 
 from eagle3.model import DrafterConfig, Eagle3Drafter, tensor_shapes
 
+from test_drafter import randomize
+
 BASE = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=48,
             vocab_size=50, draft_vocab_size=20, target_hidden_size=24, rms_norm_eps=1e-6, rope_theta=50.0,
             max_position_embeddings=64, num_aux_layers=3)
@@ -33,20 +35,7 @@ CASES = {
 
 def make(case: str, seed=0, dtype=torch.float64) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    d = Eagle3Drafter(DrafterConfig(**CASES[case])).to(dtype)
-    with torch.no_grad():
-        for name, p in d.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))  # not all ones: a swapped or skipped norm must show
-            else:
-                p.copy_(torch.randn_like(p) * (0.5 / math.sqrt(p.shape[-1]) if p.dim() == 2 else 1))
-        d.load_target_embedding(torch.randn_like(d.embed_tokens.weight))
-    V, Dv = d.config.vocab_size, d.config.draft_vocab_size
-    ids = torch.randperm(V)[:Dv].sort().values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[ids] = True
-    d.set_vocab_map(ids - torch.arange(Dv), t2d)
-    return d
+    return randomize(Eagle3Drafter(DrafterConfig(**CASES[case])).to(dtype))
 
 
 def batch(cfg, B=2, T=11, lengths=(11, 7), seed=1):
@@ -249,20 +238,27 @@ def test_fast_path_gradients_equal_the_plain_path(case, mode, monkeypatch):
     import eagle3.model.drafter as drafter_module
     monkeypatch.setattr(drafter_module, "MLP_CHUNK_TOKENS", 8)  # step_mlp: several chunks of the 2 x 11 tokens
     d = make(case)
-    aux, ids, am = batch(d.config)
-    w = [torch.randn(2, 11, 32, generator=torch.Generator().manual_seed(j), dtype=torch.float64) for j in range(3)]
+    plain = assert_fast_gradients_equal_plain(d, *batch(d.config), steps=3, mode=mode)
+    # every option's norm learns; the head is outside ttt_forward, and so is the final norm unless norm_output
+    head = {"lm_head.weight"} | (set() if d.config.norm_output else {"norm.weight"})
+    assert set(plain) == {n for n, p in d.named_parameters() if p.requires_grad} - head
+
+
+def assert_fast_gradients_equal_plain(d, aux, ids, am, steps: int, mode: str) -> dict:
+    """Gradients of a fixed random function of the TTT outputs through the plain path, and through the fast path
+    with checkpointing `mode`: equal in float64. Returns the plain path's."""
+    w = [torch.randn(*ids.shape, d.config.hidden_size, generator=torch.Generator().manual_seed(j),
+                     dtype=torch.float64) for j in range(steps)]
     grads = []
     for fast in (False, True):
         d.zero_grad()
         d.activation_checkpointing = mode if fast else "none"
-        sum((m * wj).sum() for m, wj in zip(d.ttt_forward(aux, ids, am, steps=3, fast=fast), w)).backward()
+        sum((m * wj).sum() for m, wj in zip(d.ttt_forward(aux, ids, am, steps=steps, fast=fast), w)).backward()
         grads.append({n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and "embed_tokens.weight" not in grads[0]
-    # every option's norm learns; the head is outside ttt_forward, and so is the final norm unless norm_output
-    head = {"lm_head.weight"} | (set() if d.config.norm_output else {"norm.weight"})
-    assert set(grads[0]) == {n for n, p in d.named_parameters() if p.requires_grad} - head
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-9, atol=1e-11)
+    return grads[0]
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -108,18 +108,9 @@ def test_fast_ttt_matches_dense_reference(kv_heads):
 def test_fast_ttt_gradients_equal_plain(mode, monkeypatch):
     import eagle3.model.drafter as drafter_module
     monkeypatch.setattr(drafter_module, "MLP_CHUNK_TOKENS", 8)  # step_mlp: several chunks of the 2 x 11 tokens
+    from test_drafter_layouts import assert_fast_gradients_equal_plain
     d = make_drafter()
-    aux, ids, am = batch(d)
-    w = [torch.randn(2, 11, 32, generator=torch.Generator().manual_seed(j), dtype=torch.float64) for j in range(4)]
-    grads = []
-    for fast in (False, True):
-        d.zero_grad()
-        d.activation_checkpointing = mode if fast else "none"
-        sum((m * wj).sum() for m, wj in zip(d.ttt_forward(aux, ids, am, steps=4, fast=fast), w)).backward()
-        grads.append({n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys() and "embed_tokens.weight" not in grads[0]
-    for n in grads[0]:
-        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-9, atol=1e-11)
+    assert_fast_gradients_equal_plain(d, *batch(d), steps=4, mode=mode)
 
 
 @pytest.mark.parametrize("chunk", [1000, 5])

@@ -19,11 +19,8 @@ def ckpt_record_path(run, step):
 
 
 @pytest.fixture(scope="module")
-def export_dir(tiny_run, tmp_path_factory):
-    from eagle3.export.sglang import export_drafter
-    out = str(tmp_path_factory.mktemp("records") / "export")
-    export_drafter(tiny_run, out)
-    return out
+def export_dir(tiny_export):
+    return tiny_export
 
 
 def assert_same_on_disk(record, path):
