@@ -17,6 +17,7 @@ ours)  # CUDA correctness first (a wrong kernel must not get timed), then the ML
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_drafter_layouts.py -k cuda \
       "tests/test_fast_path.py::test_cuda_causal_plus_diagonal_matches_float64_dense" 2>&1 | tail -3 \
       | tee "$OUT/cuda_tests.txt"
+  timeout 120 python3 bench/mla_attention.py --out "$OUT" 2>&1 | grep -E '^\{'
   for spec in "mla:" "mla:fc_norm,norm_output" "llama:" "llama:fc_norm,norm_output"; do
     timeout 240 python3 bench/train_step.py --out "$OUT" --layout "${spec%%:*}" --options "${spec#*:}" \
         --variants fast --tokens "${TOKENS:-4096,32768}" --iters 5 2>&1 | grep -E '^\{"impl' ;
