@@ -62,6 +62,19 @@ core/eagle3_adapters.py `SdpaLikeAdapter.step_view`, modeling/draft/llama3_eagle
   --min-lr-ratio 0 for that). SpecForge's scheduler hands over from warmup to its recursive CosineAnnealingLR one
   step late (first step after warmup slightly above lr, 1.007 lr at 2 warmup / 20 steps, then one step behind our
   curve): at most 6e-7 lr apart from ours at 20 warmup / 2000 steps; reproduced as is. Initial weights: SpecForge's own (HF init, normal std 0.02), seeded with --seed.
+* The drafter's layout and EAGLE-3.1 options are the template export's (config.json as our loader reads it, which
+  must agree with its provenance), mapped onto SpecForge's draft config (modeling/draft/llama3_eagle.py):
+  - `fc_norm` -> its config key `fc_norm` (`if getattr(config, "fc_norm", False)`: a ModuleList of 3
+    LlamaRMSNorm(target_hidden_size, eps=config.rms_norm_eps), applied per chunk of the concatenation in
+    `project_hidden_states` before fc, once at step 0): our function, and the same tensor names `fc_norm.{i}.weight`;
+  - our `norm_output` off (lm_head reads norm(m), the next step receives m) -> its `norm_output` True (its default:
+    `compute_logits` = lm_head(norm(h)), and OnlineEagle3Model feeds the un-normalised backbone output to the next
+    step whatever the flag says);
+  - our `norm_output` on (norm(m) is also what the next step receives): REFUSED, SpecForge 0.2.0 has no such
+    drafter (its `norm_output` only decides whether lm_head reads norm(m) or m);
+  - `norm_before_fc` (tensor `input_norm.weight`): REFUSED, SpecForge 0.2.0 has no norm over the concatenation;
+  - layout "mla": REFUSED, SpecForge 0.2.0 has no MLA drafter (its EAGLE-3 draft is LlamaForCausalLMEagle3 only).
+  The refusals come before anything is trained or written (`specforge_options`).
 * The exported weights are the LAST step's (our quickstart exports the checkpoint with the best held-out decoding
   replay; export our run with `--step N` for a last-step comparison).
 
@@ -140,9 +153,55 @@ def import_specforge(device: str | torch.device = "cpu") -> types.SimpleNamespac
 
 # ------------------------------------------------------------------------------------------ model and inputs
 
-def llama_config(drafter: dict):
-    """A transformers LlamaConfig for SpecForge's draft model from OUR DrafterConfig dict (export provenance)."""
+def drafter_config(drafter):
+    """Our DrafterConfig from a DrafterConfig or its dict (run.json's / an export provenance's `drafter`)."""
+    from eagle3.model import DrafterConfig
+    return drafter if isinstance(drafter, DrafterConfig) else DrafterConfig.from_dict(drafter, strict=False)
+
+
+# Where SpecForge 0.2.0 says what it computes (quoted in the refusals)
+_SF_FILE = "specforge/modeling/draft/llama3_eagle.py"
+_SF_TTT = "specforge/algorithms/eagle3/model.py"
+
+
+def specforge_options(drafter) -> dict:
+    """Our drafter's layout and EAGLE-3.1 options -> the keys of SpecForge 0.2.0's draft config that build the SAME
+    function. ValueError for what SpecForge 0.2.0 cannot build, saying how it differs (see the module docstring)."""
+    c = drafter_config(drafter)
+    if c.layout != "llama":
+        raise ValueError(
+            f"the template drafter has layout {c.layout!r}: SpecForge 0.2.0 has no MLA drafter. Its only EAGLE-3 "
+            f"draft model is LlamaForCausalLMEagle3 ({_SF_FILE}: Llama attention, q/k/v/o projections, GQA, RoPE "
+            "over the whole head); nothing in the package builds DeepSeek-V2 multi-latent attention (no "
+            "kv_lora_rank / kv_a_proj_with_mqa anywhere). Compare an llama-layout run instead")
+    if c.num_aux_layers != 3:
+        raise ValueError(f"SpecForge's drafter projects exactly 3 captured states ({_SF_FILE}: fc = "
+                         f"Linear(target_hidden_size * 3, ...)); this drafter has {c.num_aux_layers}")
+    if c.norm_before_fc:
+        raise ValueError(
+            "the template drafter has norm_before_fc (one RMSNorm over the whole concatenation of captured states, "
+            "tensor input_norm.weight): SpecForge 0.2.0 has no such norm. Its "
+            "LlamaForCausalLMEagle3.project_hidden_states applies fc_norm per chunk or nothing before fc, and no "
+            "config key or tensor of it corresponds to input_norm")
+    if c.norm_output:
+        raise ValueError(
+            "the template drafter has norm_output: ours feeds norm(m), the hidden lm_head reads, to the next draft "
+            "step. SpecForge 0.2.0 always feeds the un-normalised backbone output m to the next TTT step "
+            f"({_SF_TTT}: `hidden_states = hidden_states_out` before `compute_logits(hidden_states)`); its config "
+            f"key norm_output ({_SF_FILE}: `self.norm_output = getattr(config, \"norm_output\", True)`) only "
+            "chooses whether compute_logits reads norm(m) (True, its default = our norm_output off) or m (False, "
+            "no final norm at all, which no drafter of ours computes). Our norm_output has no SpecForge "
+            "counterpart: train the template without --norm-output to compare")
+    # fc_norm: its ModuleList of 3 LlamaRMSNorm(target_hidden_size, eps=rms_norm_eps) on the chunks, before fc
+    return {"fc_norm": bool(c.fc_norm), "norm_output": True}
+
+
+def llama_config(drafter):
+    """A transformers LlamaConfig for SpecForge's draft model from OUR DrafterConfig (or its dict), with the
+    SpecForge option keys that compute the same function (`specforge_options`: refuses what it cannot)."""
     from transformers import LlamaConfig
+    options = specforge_options(drafter)
+    drafter = drafter_config(drafter).to_dict()
     rs = dict(drafter.get("rope_scaling") or {})
     rope = {**rs, "rope_type": rs.get("rope_type", rs.get("type", "default")),
             "rope_theta": float(drafter["rope_theta"])}
@@ -155,19 +214,51 @@ def llama_config(drafter: dict):
     cfg.architectures = ["LlamaForCausalLMEagle3"]
     cfg.draft_vocab_size = drafter["draft_vocab_size"]
     cfg.target_hidden_size = drafter["target_hidden_size"]
+    for k, v in options.items():  # read by LlamaForCausalLMEagle3.__init__ with getattr(config, k, default)
+        setattr(cfg, k, v)
     return cfg
 
 
-def build_draft(sf, drafter: dict, embed: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor, backend: str,
+def check_same_function(draft, drafter) -> None:
+    """SpecForge's draft model computes our drafter's function: its fc_norm present iff ours is on (3 norms of
+    target_hidden_size), lm_head on the normed hidden (its norm_output True), every norm at our rms_norm_eps.
+    ContractError otherwise (a guard for export_peer / check_export: weights are only exported under a config.json
+    that means what SpecForge trained)."""
+    from eagle3 import contract as C
+    c = drafter_config(drafter)
+    options = specforge_options(c)
+    have = {"fc_norm": draft.fc_norm is not None, "norm_output": bool(draft.norm_output)}
+    if have != options:
+        raise C.ContractError(f"SpecForge's draft model has options {have}; the template's drafter needs {options}")
+    norms = [draft.norm, draft.midlayer.hidden_norm, draft.midlayer.input_layernorm,
+             draft.midlayer.post_attention_layernorm, *(draft.fc_norm or [])]
+    if c.fc_norm and [tuple(n.weight.shape) for n in draft.fc_norm] != [(c.target_hidden_size,)] * 3:
+        raise C.ContractError(f"SpecForge's fc_norm shapes {[tuple(n.weight.shape) for n in draft.fc_norm]}")
+    if any(n.variance_epsilon != c.rms_norm_eps for n in norms):
+        raise C.ContractError(f"SpecForge's norms use eps {sorted({n.variance_epsilon for n in norms})}, ours "
+                              f"{c.rms_norm_eps}")
+
+
+def export_state_dict(draft, drafter) -> dict[str, torch.Tensor]:
+    """SpecForge's draft state dict under OUR SGLang names (the frozen target embedding dropped). SpecForge 0.2.0
+    names every tensor it has as we do: `fc_norm.{i}.weight` is `self.fc_norm = nn.ModuleList([LlamaRMSNorm ...
+    for _ in range(3)])`, i = the chunk of the concatenation, low -> high; our `input_norm.weight`
+    (norm_before_fc) has no SpecForge counterpart and is refused by `specforge_options`."""
+    check_same_function(draft, drafter)
+    # theirs -> ours: every name is the same (export_peer then requires exactly tensor_shapes' key set)
+    return {k: v.detach().cpu() for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
+
+
+def build_draft(sf, drafter, embed: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor, backend: str,
                 device, dtype, seed: int | None = None):
-    """SpecForge's LlamaForCausalLMEagle3 as its build_eagle3_draft makes it: own init, the target embedding loaded
-    and frozen, our d2t/t2d installed, then moved to device and dtype."""
-    if drafter.get("num_aux_layers", 3) != 3:
-        raise ValueError(f"SpecForge's drafter projects exactly 3 captured states; this drafter has "
-                         f"{drafter['num_aux_layers']}")
+    """SpecForge's LlamaForCausalLMEagle3 as its build_eagle3_draft makes it, with our drafter's (a DrafterConfig
+    or its dict) shapes and options: own init, the target embedding loaded and frozen, our d2t/t2d installed, then
+    moved to device and dtype. ValueError for an option or layout SpecForge 0.2.0 does not compute as we do."""
+    cfg = llama_config(drafter)
     if seed is not None:
         torch.manual_seed(seed)
-    draft = sf.LlamaForCausalLMEagle3(llama_config(drafter), attention_backend=backend)
+    draft = sf.LlamaForCausalLMEagle3(cfg, attention_backend=backend)
+    check_same_function(draft, drafter)
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(embed.float())
         draft.t2d.copy_(t2d.bool())
@@ -335,8 +426,9 @@ def export_peer(draft, template: str, out: str, info: dict) -> dict:
     from eagle3.model import tensor_shapes
 
     config, template_tensors, prov = MC.load_export(template)
-    keys = tensor_shapes(MC.export_drafter_config(config, prov))  # the template's layout and options
-    sd = {k: v.detach().cpu() for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
+    dcfg = MC.export_drafter_config(config, prov, template)  # the template's layout and options, as served
+    keys = tensor_shapes(dcfg)
+    sd = export_state_dict(draft, dcfg)  # our names; refuses a draft that computes another function
     if set(sd) != set(keys):
         raise C.ContractError(f"SpecForge's state dict {sorted(sd)} is not the SGLang key set {sorted(keys)}")
     tensors = {k: (sd[k].to(MC.EXPORT_DTYPE) if sd[k].is_floating_point() else sd[k]).contiguous() for k in keys}
@@ -386,13 +478,16 @@ def export_peer(draft, template: str, out: str, info: dict) -> dict:
 @torch.no_grad()
 def check_export(sf, out: str, embed: torch.Tensor, batch: dict, ttt: int) -> float:
     """Our Eagle3Drafter loaded from the peer export (load_drafter_from_export, as eval does) and SpecForge's draft
-    model holding the same (exported, bf16-rounded) weights compute the same TTT step outputs on the first sample
-    of a batch, fp32 on the CPU. Returns the max relative difference."""
-    from eagle3.model.checkpoint import load_export
+    model built with the options of the export's config.json and holding the same (exported, bf16-rounded) weights
+    compute the same TTT step outputs (the backbone output each step hands on) and the same draft logits (what
+    lm_head reads: the fc_norm and norm_output mapping) on the first sample of a batch, fp32 on the CPU. Returns
+    the max relative difference."""
+    from eagle3.model.checkpoint import export_drafter_config, load_export
     from eagle3.eval.speculative import load_drafter_from_export
     ours = load_drafter_from_export(out, embed, torch.float32, torch.device("cpu"))
     config, tensors, prov = load_export(out)
-    draft = build_draft(sf, prov.drafter, embed, tensors["d2t"], tensors["t2d"], "sdpa", "cpu", torch.float32)
+    dcfg = export_drafter_config(config, prov, out)  # what our loader (and SGLang) build from this export
+    draft = build_draft(sf, dcfg, embed, tensors["d2t"], tensors["t2d"], "sdpa", "cpu", torch.float32)
     missing, unexpected = draft.load_state_dict({k: v.float() if v.is_floating_point() else v
                                                  for k, v in tensors.items()}, strict=False)
     if set(missing) != {"embed_tokens.weight"} or unexpected:
@@ -411,9 +506,13 @@ def check_export(sf, out: str, embed: torch.Tensor, batch: dict, ttt: int) -> fl
     finally:
         sf.model_module.LogSoftmaxLoss = triton_loss
     mine = ours.ttt_forward(one["hidden_state"].float(), one["input_ids"].long(), None, steps=ttt)
+    if len(mine) != len(theirs):
+        raise RuntimeError(f"{len(mine)} TTT steps of ours vs {len(theirs)} of SpecForge's")
     worst = 0.0
-    for a, b in zip(mine, theirs):
-        worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp(min=1e-6)))
+    with dynamo.config.patch(disable=True):
+        for a, b in zip(mine, theirs):
+            for x, y in ((a, b), (ours.draft_logits(a), draft.compute_logits(b))):
+                worst = max(worst, float((x - y).abs().max() / y.abs().max().clamp(min=1e-6)))
     return worst
 
 
@@ -428,7 +527,8 @@ def main(argv=None) -> dict:
     from eagle3.data.dumps import DumpSet, split
     from eagle3.data.loader import BatchPlan, make_loader
     from eagle3.data.vocab import load_vocab
-    from eagle3.model.checkpoint import load_export
+    from eagle3.model import OPTIONS
+    from eagle3.model.checkpoint import export_drafter_config, load_export
     from eagle3.target.weights import load_embedding_and_head
     from eagle3.train.trainer import check_target_matches_dumps
 
@@ -446,6 +546,16 @@ def main(argv=None) -> dict:
     config, template_tensors, prov = load_export(a.template_export)
     C.require_same_capture(prov.identity, manifest.identity(), f"template export {a.template_export}", "the dumps")
     drafter = prov.drafter
+    served = export_drafter_config(config, prov, a.template_export)  # what config.json makes SGLang / our loader run
+    trained = drafter_config(drafter)
+    for k in ("layout", *OPTIONS):
+        if getattr(served, k) != getattr(trained, k):
+            raise C.ContractError(f"template config.json gives {k}={getattr(served, k)} but its provenance's drafter "
+                                  f"says {getattr(trained, k)}")
+    try:
+        specforge_options(served)  # before anything is trained or written
+    except ValueError as e:
+        raise SystemExit(f"[peer] {PEER} cannot train the template's drafter ({a.template_export}): {e}") from None
     for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
               "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size", "draft_vocab_size",
               "target_hidden_size"):
@@ -468,7 +578,7 @@ def main(argv=None) -> dict:
 
     # ---- SpecForge's model, optimizer and schedule
     embed, head = load_embedding_and_head(a.target)
-    draft = build_draft(sf, drafter, embed, vocab["d2t"], vocab["t2d"], a.attention_backend, device, dtype, a.seed)
+    draft = build_draft(sf, served, embed, vocab["d2t"], vocab["t2d"], a.attention_backend, device, dtype, a.seed)
     model = sf.OnlineEagle3Model(draft, length=a.ttt, attention_backend=a.attention_backend).to(device=device,
                                                                                               dtype=dtype)
     head = head.to(device=device, dtype=dtype)  # SpecForge's TargetHead is bf16 (fp32 with --no-bf16)

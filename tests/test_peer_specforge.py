@@ -197,3 +197,184 @@ def test_same_weights_same_outputs_and_the_loss_difference(our_run):
               f"{float(our_loss):.4f}, SpecForge {float(sf_loss):.4f}, ours x count_j/(B*T) {float(approx):.4f}")
         assert float(sf_loss) < float(our_loss)                 # the 1/(B*T) mean over a padded, partly masked batch
         assert abs(float(sf_loss) - float(approx)) < 0.25 * float(sf_loss)  # what remains is the 2-token mask shift
+
+
+# ------------------------------------------------------------------------------------------ EAGLE-3.1 templates
+
+@pytest.fixture(scope="module")
+def runs_31(our_run):
+    """Two more tiny runs on our_run's dump, target and settings with EAGLE-3.1 options, each exported as a template:
+    fc_norm + norm_output (which SpecForge 0.2.0 cannot train: refused) and fc_norm alone (which it can)."""
+    from eagle3.export.sglang import export_drafter
+    from eagle3.train.config import TrainConfig
+    from eagle3.train.trainer import train
+    root = our_run["root"]
+    tok_count = json.load(open(os.path.join(our_run["run"], "run.json")))["drafter"]["vocab_size"]
+    out = {}
+    for name, opts in (("fcn_out", dict(fc_norm=True, norm_output=True)), ("fcn", dict(fc_norm=True))):
+        run = str(root / f"run_{name}")
+        train(TrainConfig(dump=[our_run["dump"]], target=our_run["target"], out=run, drafter="tiny",
+                          draft_vocab_size=tok_count // 2, bf16=False, max_steps=4, token_budget=256, lr=3e-3,
+                          warmup_steps=2, held_out_fraction=0.2, save_interval=1000, eval_interval=1000,
+                          num_workers=0, progress=False, wandb_mode="disabled", ttt_steps=3, **opts))
+        export = str(root / f"export_{name}")
+        export_drafter(run, export)
+        out[name] = {"run": run, "export": export}
+    return out
+
+
+def _peer_cmd(our_run, run, export, out, *extra):
+    return [sys.executable, SCRIPT, "--run", run, "--dump", our_run["dump"], "--target", our_run["target"],
+            "--vocab", os.path.join(run, "vocab.safetensors"), "--template-export", export, "--out", out,
+            "--device", "cpu", "--no-bf16", "--num-workers", "0", *extra]
+
+
+def test_fc_norm_norm_output_template_is_refused(our_run, runs_31):
+    """A template trained with fc_norm + norm_output: the script refuses it before training or writing anything,
+    saying how SpecForge's norm_output differs from ours; and that difference is real: SpecForge's model built with
+    the template's fc_norm and the same weights agrees with ours at step 0 (lm_head on norm(m) both) and not after
+    (ours feeds norm(m) to the next step, SpecForge m)."""
+    import torch._dynamo
+
+    from eagle3.data.dumps import DumpSet
+    from eagle3.data.loader import BatchPlan, make_loader
+    from eagle3.eval.speculative import load_drafter_from_export
+    from eagle3.model import DrafterConfig
+    from eagle3.model.checkpoint import export_drafter_config, load_export
+    from eagle3.target.weights import load_embedding_and_head
+
+    t = runs_31["fcn_out"]
+    config, tensors, prov = load_export(t["export"])
+    dcfg = export_drafter_config(config, prov, t["export"])
+    assert dcfg.fc_norm and dcfg.norm_output and not dcfg.norm_before_fc and dcfg.layout == "llama"
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(tensors)
+
+    out = str(our_run["root"] / "peer_fcn_out")
+    env = dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled")
+    r = subprocess.run(_peer_cmd(our_run, t["run"], t["export"], out, "--steps", "2"), capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert r.returncode != 0, (r.stdout + r.stderr)[-3000:]
+    assert "cannot train the template's drafter" in r.stderr and "norm_output" in r.stderr, r.stderr[-3000:]
+    assert "hidden_states = hidden_states_out" in r.stderr      # says where SpecForge feeds m to the next step
+    assert "Traceback" not in r.stderr and not os.path.exists(out)
+
+    peer = _script()
+    sf = peer.import_specforge("cpu")
+    # the refusals, one per option / layout SpecForge 0.2.0 cannot build as ours
+    with pytest.raises(ValueError, match="norm_output"):
+        peer.specforge_options(dcfg)
+    with pytest.raises(ValueError, match="norm_output"):
+        peer.build_draft(sf, prov.drafter, torch.zeros(dcfg.vocab_size, dcfg.hidden_size), tensors["d2t"],
+                         tensors["t2d"], "sdpa", "cpu", torch.float32)
+    base = dict(prov.drafter, fc_norm=False, norm_output=False)
+    with pytest.raises(ValueError, match="input_norm"):
+        peer.specforge_options(dict(base, norm_before_fc=True))
+    mla = DrafterConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, intermediate_size=96,
+                        vocab_size=100, draft_vocab_size=50, target_hidden_size=32, layout="mla", q_lora_rank=32,
+                        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    with pytest.raises(ValueError, match="no MLA drafter"):
+        peer.specforge_options(mla)
+    # what maps: fc_norm -> its fc_norm; our norm_output off -> its norm_output True (its default)
+    assert peer.specforge_options(dict(base, fc_norm=True)) == {"fc_norm": True, "norm_output": True}
+    assert peer.specforge_options(base) == {"fc_norm": False, "norm_output": True}
+
+    # the difference is real: the same weights in SpecForge's fc_norm model and in ours with norm_output
+    embed, _ = load_embedding_and_head(our_run["target"])
+    ours = load_drafter_from_export(t["export"], embed, torch.float32, torch.device("cpu"))
+    draft = peer.build_draft(sf, dict(prov.drafter, norm_output=False), embed, tensors["d2t"], tensors["t2d"],
+                             "sdpa", "cpu", torch.float32)
+    missing, unexpected = draft.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                 for k, v in tensors.items()}, strict=False)
+    assert missing == ["embed_tokens.weight"] and not unexpected
+    dumps = DumpSet(our_run["dump"], verify=False)
+    refs = dumps.refs[:1]
+    batch = next(iter(make_loader(dumps, refs, BatchPlan([refs[0].length], 4096, 0, 0, 1), 0, 1, num_workers=0)))
+    model = sf.OnlineEagle3Model(draft, length=2, attention_backend="sdpa")
+    with torch._dynamo.config.patch(disable=True), torch.no_grad():
+        theirs, _ = peer.step_outputs(model, peer.specforge_inputs(sf, batch, torch.randn(embed.shape[0],
+                                      batch["target_hidden"].shape[-1]), "cpu", torch.float32))
+        mine = ours.ttt_forward(batch["hidden_state"].float(), batch["input_ids"].long(), None, steps=2)
+        assert torch.allclose(mine[0], draft.norm(theirs[0]), rtol=1e-4, atol=1e-5)   # ours hands on norm(m_0)
+        assert torch.allclose(ours.draft_logits(mine[0]), draft.compute_logits(theirs[0]), rtol=1e-4, atol=1e-5)
+        d1 = float((ours.draft_logits(mine[1]) - draft.compute_logits(theirs[1])).abs().max())
+        assert d1 > 1e-2, d1                                    # step 1 takes norm(m_0) in ours, m_0 in SpecForge's
+
+
+def test_fc_norm_template_trains_exports_and_matches(our_run, runs_31):
+    """A template trained with fc_norm: SpecForge's drafter is built with its fc_norm (its own 3 RMSNorms, eps
+    rms_norm_eps), trained, exported as fc_norm.{i}.weight in our layout, and our loader computes what SpecForge
+    computes; and at equal (random) fc_norm weights the two models agree on a training batch."""
+    import torch._dynamo
+    from safetensors.torch import load_file
+
+    from eagle3.data.dumps import DumpSet, split
+    from eagle3.data.loader import BatchPlan, make_loader
+    from eagle3.eval.speculative import load_drafter_from_export
+    from eagle3.model import DrafterConfig, Eagle3Drafter
+    from eagle3.model.checkpoint import export_drafter_config, load_export
+    from eagle3.target.weights import load_embedding_and_head
+
+    t = runs_31["fcn"]
+    out = str(our_run["root"] / "peer_fcn")
+    env = dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled")
+    r = subprocess.run(_peer_cmd(our_run, t["run"], t["export"], out, "--steps", "6", "--log-interval", "3"),
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
+    summary = [json.loads(line) for line in open(os.path.join(out, "peer_metrics.jsonl"))][-1]["summary"]
+    assert summary["export_check_max_rel_diff"] < 1e-3          # step outputs and logits, our loader vs SpecForge
+
+    cfg_t, ten_t, prov_t = load_export(t["export"])
+    cfg_p, ten_p, prov_p = load_export(out)
+    assert cfg_p == cfg_t and cfg_p.get("fc_norm") is True and not cfg_p.get("norm_output")
+    dcfg = export_drafter_config(cfg_p, prov_p, out)
+    assert dcfg.fc_norm and not dcfg.norm_output
+    assert {k: (v.shape, v.dtype) for k, v in ten_p.items()} == {k: (v.shape, v.dtype) for k, v in ten_t.items()}
+    for i in range(3):
+        w = ten_p[f"fc_norm.{i}.weight"]
+        assert w.shape == (dcfg.target_hidden_size,) and w.dtype == torch.bfloat16
+        assert not torch.equal(w, torch.ones_like(w))           # SpecForge trained its fc_norm
+        assert not torch.equal(w, ten_t[f"fc_norm.{i}.weight"])
+    embed, head = load_embedding_and_head(our_run["target"])
+    load_drafter_from_export(out, embed, torch.float32, torch.device("cpu"))
+
+    # at equal weights (fc_norm made far from 1 and different per captured state): same step outputs and logits
+    peer = _script()
+    sf = peer.import_specforge("cpu")
+    run = json.load(open(os.path.join(t["run"], "run.json")))
+    assert run["drafter"]["fc_norm"] and not run["drafter"]["norm_output"]
+    ck = sorted(d for d in os.listdir(os.path.join(t["run"], "checkpoints")) if d.startswith("step"))[-1]
+    weights = load_file(os.path.join(t["run"], "checkpoints", ck, "drafter.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    for i in range(3):
+        weights[f"fc_norm.{i}.weight"] = 0.25 + 2.0 * torch.rand(dcfg.target_hidden_size, generator=g)
+    embed = embed.float()
+    ours = Eagle3Drafter(DrafterConfig.from_dict(run["drafter"]))
+    ours.load_state_dict(weights, strict=False)
+    ours.load_target_embedding(embed)
+    draft = peer.build_draft(sf, run["drafter"], embed, weights["d2t"], weights["t2d"], "sdpa", "cpu", torch.float32)
+    missing, unexpected = draft.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                 for k, v in weights.items()}, strict=False)
+    assert missing == ["embed_tokens.weight"] and not unexpected
+    sd = peer.export_state_dict(draft, run["drafter"])          # SpecForge's names are ours
+    assert set(sd) == set(ours.state_dict()) - {"embed_tokens.weight"}
+    assert all(torch.equal(sd[k], weights[k].to(sd[k].dtype)) for k in sd)
+    dumps = DumpSet(our_run["dump"], verify=False)
+    cfg = run["train"]
+    train_refs, _ = split(dumps.refs, cfg["held_out_fraction"], cfg["seed"])
+    plan = BatchPlan([r.length for r in train_refs], cfg["token_budget"], cfg["seed"], 0, 1)
+    batch = next(iter(make_loader(dumps, train_refs, plan, 0, 1, num_workers=0)))
+    K = cfg["ttt_steps"]
+    model = sf.OnlineEagle3Model(draft, length=K, attention_backend="sdpa")
+    with torch._dynamo.config.patch(disable=True), torch.no_grad():
+        sf_outs, _ = peer.step_outputs(model, peer.specforge_inputs(sf, batch, head.float(), "cpu", torch.float32))
+        our_outs = ours.ttt_forward(batch["hidden_state"].float(), batch["input_ids"].long(),
+                                    batch["attention_mask"].long(), steps=K)
+        real = batch["attention_mask"].bool()
+        for a, b in zip(our_outs, sf_outs):
+            assert torch.allclose(a[real], b[real], rtol=1e-4, atol=1e-4), float((a - b)[real].abs().max())
+            la, lb = ours.draft_logits(a)[real], draft.compute_logits(b)[real]
+            assert torch.allclose(la, lb, rtol=1e-4, atol=1e-4), float((la - lb).abs().max())
+        # and the fc_norm weights matter (a check that could fail): without them the step-0 output moves
+        draft.fc_norm = None
+        plain, _ = peer.step_outputs(model, peer.specforge_inputs(sf, batch, head.float(), "cpu", torch.float32))
+        assert not torch.allclose(plain[0][real], sf_outs[0][real], rtol=1e-3, atol=1e-3)
