@@ -235,7 +235,8 @@ def check(export_dir: str) -> dict:
     cfg = json.load(open(os.path.join(export_dir, "config.json")))
     prov = json.load(open(os.path.join(export_dir, "eagle3_provenance.json")))
     model, arch = build_sglang(export_dir)
-    layout = {"LlamaForCausalLMEagle3": "llama", "Eagle3DeepseekV2ForCausalLM": "mla"}[arch]
+    from eagle3.model.checkpoint import ARCHITECTURES
+    layout = ARCHITECTURES[arch]
     tensors = {k: (v.float() if v.is_floating_point() else v) for k, v in
                load_file(os.path.join(export_dir, "model.safetensors")).items()}
     res = {"export": export_dir, "sglang_class": arch, "type": type(model).__name__,

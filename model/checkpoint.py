@@ -18,10 +18,12 @@ import torch
 
 from eagle3 import contract as C
 from eagle3 import serving as S
+from eagle3.model.drafter import LAYOUT_MODULES
 from eagle3.records import (EXPORT_CONFIG_FILE as CONFIG_FILE, EXPORT_WEIGHTS_FILE as WEIGHTS_FILE, PROVENANCE_FILE,
                             ExportProvenance)
 
-ARCHITECTURES = {"LlamaForCausalLMEagle3": "llama", "Eagle3DeepseekV2ForCausalLM": "mla"}  # -> DrafterConfig.layout
+# SGLang class -> DrafterConfig.layout
+ARCHITECTURES = {m.ARCHITECTURE: layout for layout, m in LAYOUT_MODULES.items()}
 EXPORT_DTYPE = torch.bfloat16
 
 

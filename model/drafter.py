@@ -33,12 +33,12 @@ from eagle3.model.config import DrafterConfig
 from eagle3.model.layers import (MLP_CHUNK_TOKENS, Eagle3MLP, RMSNorm, attention_causal_plus_diagonal,
                                  cached_attention, checkpointing_mode, module_norm, repeat_kv)
 
-_LAYOUT_MODULES = {"llama": llama, "mla": mla}
+LAYOUT_MODULES = {"llama": llama, "mla": mla}  # each: ARCHITECTURE, ATTENTION, attention_shapes
 
 
 def architecture(c: DrafterConfig) -> str:
     """The SGLang model class that serves this drafter (config.json's `architectures`)."""
-    return _LAYOUT_MODULES[c.layout].ARCHITECTURE
+    return LAYOUT_MODULES[c.layout].ARCHITECTURE
 
 
 def tensor_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -51,7 +51,7 @@ def tensor_shapes(c: DrafterConfig) -> dict[str, tuple[int, ...]]:
         pre = {f"fc_norm.{i}.weight": (Ht,) for i in range(n)}
     elif c.norm_before_fc:
         pre = {"input_norm.weight": (n * Ht,)}
-    attn = {f"midlayer.self_attn.{k}": s for k, s in _LAYOUT_MODULES[c.layout].attention_shapes(c).items()}
+    attn = {f"midlayer.self_attn.{k}": s for k, s in LAYOUT_MODULES[c.layout].attention_shapes(c).items()}
     return {
         **pre,
         "fc.weight": (H, n * Ht),
@@ -100,8 +100,7 @@ class Eagle3Drafter(nn.Module):
         elif c.norm_before_fc:
             self.input_norm = RMSNorm(c.num_aux_layers * c.target_hidden_size, c.rms_norm_eps)
         self.fc = nn.Linear(c.num_aux_layers * c.target_hidden_size, c.hidden_size, bias=False)
-        attention = {"llama": llama.LlamaAttention, "mla": mla.MLAAttention}[c.layout](c)
-        self.midlayer = Eagle3MidLayer(c, attention)
+        self.midlayer = Eagle3MidLayer(c, LAYOUT_MODULES[c.layout].ATTENTION(c))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         # Default map: the first draft_vocab_size target ids (identity); set_vocab_map installs the real one.

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from eagle3.model.config import DrafterConfig
-from eagle3.model.layers import apply_rope, cos_sin, llama_inv_freq
+from eagle3.model.layers import apply_rope, cos_sin, llama_inv_freq, module_norm
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -47,8 +47,9 @@ class LlamaAttention(nn.Module):
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
         return cos_sin(llama_inv_freq(self.config, torch.float64, position_ids.device), position_ids, dtype)
 
-    def split(self, z: torch.Tensor, position_ids: torch.Tensor, norm=None):
-        """in_proj output [B, S, .] -> q [B, nh, S, d], k / v [B, nkv, S, d], RoPE applied to q and k."""
+    def split(self, z: torch.Tensor, position_ids: torch.Tensor, norm=module_norm):
+        """in_proj output [B, S, .] -> q [B, nh, S, d], k / v [B, nkv, S, d], RoPE applied to q and k (`norm`: the
+        layout interface's way of applying norms; this layout has none after its projections)."""
         B, S, _ = z.shape
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = z.split([nh * d, nkv * d, nkv * d], dim=-1)
@@ -63,3 +64,6 @@ class LlamaAttention(nn.Module):
         """o [B, nh, S, d] -> [B, S, H]."""
         B, _, S, _ = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
+
+
+ATTENTION = LlamaAttention

@@ -107,3 +107,6 @@ class MLAAttention(nn.Module):
         """o [B, nh, S, v_head_dim] -> [B, S, H]."""
         B, _, S, _ = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(B, S, self.num_heads * self.v_dim))
+
+
+ATTENTION = MLAAttention
