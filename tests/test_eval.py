@@ -134,7 +134,7 @@ def test_held_out_walk_replays_speculative_decoding_exactly(word_target, distill
     drafter = load_drafter_from_export(trained_export, target.get_input_embeddings().weight, torch.float32,
                                        torch.device("cpu"))
     dec = SpeculativeDecoder(target, backbone, drafter, indices, set())  # no eos: every answer runs to max_new
-    compared = 0
+    compared = accepted = 0
     for prompt in read_prompts(distilled, load_tokenizer(word_target), 6):
         ref, _ = dec.greedy(prompt, max_new + K + 1)          # room for the last round's drafts
         _, real = dec.generate(prompt, max_new, K)
@@ -148,9 +148,12 @@ def test_held_out_walk_replays_speculative_decoding_exactly(word_target, distill
         replay = walk(hits, loss_mask, None, K, max_new_tokens=max_new)
         assert (replay.verify_steps, replay.round_tokens, replay.reached, replay.accepted) == \
                (real.verify_steps, real.round_tokens, real.reached, real.accepted)
-        assert replay.verify_steps > 2 and sum(replay.accepted) > 0   # the comparison saw real acceptance
+        assert replay.verify_steps > 2
+        accepted += sum(replay.accepted)
         compared += 1
-    assert compared == 6
+    # the comparison saw real acceptance (not on every prompt: with no eos, a prompt whose answer ends at once goes
+    # on into text past its end that no drafter was trained on, and may accept nothing there)
+    assert compared == 6 and accepted > 20
 
 
 def test_walk_rounds_by_hand():
