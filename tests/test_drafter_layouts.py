@@ -361,3 +361,21 @@ def test_cuda_fast_path_matches_float64(case):
                      max(float((g[n] - ref_g[n]).norm() / ref_g[n].norm()) for n in ref_g))
     assert err[True][0] < 3e-2 and err[True][1] < 6e-2, err
     assert err[True][0] < 1.5 * err[False][0] + 1e-3 and err[True][1] < 1.5 * err[False][1] + 1e-3, err
+
+
+def test_the_example_mla_preset_has_the_llama_presets_size():
+    """configs/drafters/smollm2-135m-mla.yaml: trainable parameters within 10% of smollm2-135m's (quality compares
+    fairly), and a smaller draft KV cache per token."""
+    import math
+    from eagle3 import presets
+    sizes, kv = {}, {}
+    for name in ("smollm2-135m", "smollm2-135m-mla"):
+        c = DrafterConfig(**presets.load("drafters", name), vocab_size=49152, target_hidden_size=576)
+        sizes[name] = sum(math.prod(s) for k, s in tensor_shapes(c).items() if k not in ("d2t", "t2d"))
+        kv[name] = c.draft_kv_bytes_per_token()
+    assert abs(sizes["smollm2-135m-mla"] / sizes["smollm2-135m"] - 1) < 0.10, sizes
+    assert kv["smollm2-135m-mla"] < kv["smollm2-135m"], kv
+    kimi = DrafterConfig(**presets.load("drafters", "kimi-k2.5-mla"), vocab_size=163840, target_hidden_size=7168)
+    assert kimi.draft_kv_bytes_per_token() == 1152 and kimi.options == ["fc_norm", "norm_output"]
+    assert DrafterConfig(**presets.load("drafters", "kimi-k2.5"), vocab_size=163840,
+                         target_hidden_size=7168).draft_kv_bytes_per_token() == 32768
