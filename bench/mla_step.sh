@@ -15,8 +15,8 @@ peer)  # TorchSpec's MLA step (flex_attention, its gradient checkpointing, no op
       2>&1 | tee "$OUT/peer_torchspec_mla.log" | grep -E '^\{' ;;
 ours)  # CUDA correctness first (a wrong kernel must not get timed), then the MLA step, the options, the Llama layout
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_drafter_layouts.py -k cuda \
-      "tests/test_fast_path.py::test_cuda_causal_plus_diagonal_matches_float64_dense" 2>&1 | tail -3 \
-      | tee "$OUT/cuda_tests.txt"
+      "tests/test_fast_path.py::test_cuda_causal_plus_diagonal_matches_float64_dense" > "$OUT/cuda_tests.txt" 2>&1
+  tail -3 "$OUT/cuda_tests.txt"  # the whole log comes back in $OUT (a failure's numbers with it)
   timeout 120 python3 bench/mla_attention.py --out "$OUT" 2>&1 | grep -E '^\{'
   for spec in "mla:" "mla:fc_norm,norm_output" "llama:" "llama:fc_norm,norm_output"; do
     timeout 240 python3 bench/train_step.py --out "$OUT" --layout "${spec%%:*}" --options "${spec#*:}" \
