@@ -7,6 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SHARED=${EAGLE3_SHARED:-../shared}
 ENV=${SGLANG_CPU_ENV:-$HOME/.cache/sglang-cpu}
-bash "$SHARED/sglang_cpu_env.sh" "$ENV" >/dev/null
+[ -f "$ENV/.ok" ] || bash "$SHARED/sglang_cpu_env.sh" "$ENV" >/dev/null  # built once; then shared/ is not needed
 "$ENV/bin/pip" install -q --no-deps --no-build-isolation . >/dev/null 2>&1 || "$ENV/bin/pip" install -q --no-deps .
 PYTHONPATH="$ENV/stubs" exec "$ENV/bin/python" bench/sglang_check.py "$@"
