@@ -232,7 +232,6 @@ def check_decode(model, layout, export_dir: str) -> dict:
 
 def check(export_dir: str) -> dict:
     from safetensors.torch import load_file
-    cfg = json.load(open(os.path.join(export_dir, "config.json")))
     prov = json.load(open(os.path.join(export_dir, "eagle3_provenance.json")))
     model, arch = build_sglang(export_dir)
     from eagle3.model.checkpoint import ARCHITECTURES

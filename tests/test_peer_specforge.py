@@ -117,7 +117,6 @@ def test_same_weights_same_outputs_and_the_loss_difference(our_run):
 
     from eagle3.data.dumps import DumpSet, split
     from eagle3.data.loader import BatchPlan, make_loader
-    from eagle3.model import DrafterConfig, Eagle3Drafter
     from eagle3.train.loss import eagle3_loss, teacher
     from eagle3.target.weights import load_embedding_and_head
 
@@ -125,18 +124,11 @@ def test_same_weights_same_outputs_and_the_loss_difference(our_run):
     sf = peer.import_specforge("cpu")
     run = json.load(open(os.path.join(our_run["run"], "run.json")))
     cfg = run["train"]
-    dcfg = DrafterConfig.from_dict(run["drafter"])
     ck = sorted(d for d in os.listdir(os.path.join(our_run["run"], "checkpoints")) if d.startswith("step"))[-1]
     weights = load_file(os.path.join(our_run["run"], "checkpoints", ck, "drafter.safetensors"))
     embed, head = load_embedding_and_head(our_run["target"])
     embed, head = embed.float(), head.float()
-    ours = Eagle3Drafter(dcfg)
-    ours.load_state_dict(weights, strict=False)
-    ours.load_target_embedding(embed)
-    draft = peer.build_draft(sf, run["drafter"], embed, weights["d2t"], weights["t2d"], "sdpa", "cpu", torch.float32)
-    missing, unexpected = draft.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                                 for k, v in weights.items()}, strict=False)
-    assert missing == ["embed_tokens.weight"] and not unexpected
+    ours, draft = same_weights(peer, sf, run["drafter"], weights, embed)
     K = cfg["ttt_steps"]
     model = sf.OnlineEagle3Model(draft, length=K, attention_backend="sdpa")
 
@@ -310,7 +302,6 @@ def test_fc_norm_template_trains_exports_and_matches(our_run, runs_31):
     from eagle3.data.dumps import DumpSet, split
     from eagle3.data.loader import BatchPlan, make_loader
     from eagle3.eval.speculative import load_drafter_from_export
-    from eagle3.model import DrafterConfig, Eagle3Drafter
     from eagle3.model.checkpoint import export_drafter_config, load_export
     from eagle3.target.weights import load_embedding_and_head
 
@@ -348,13 +339,7 @@ def test_fc_norm_template_trains_exports_and_matches(our_run, runs_31):
     for i in range(3):
         weights[f"fc_norm.{i}.weight"] = 0.25 + 2.0 * torch.rand(dcfg.target_hidden_size, generator=g)
     embed = embed.float()
-    ours = Eagle3Drafter(DrafterConfig.from_dict(run["drafter"]))
-    ours.load_state_dict(weights, strict=False)
-    ours.load_target_embedding(embed)
-    draft = peer.build_draft(sf, run["drafter"], embed, weights["d2t"], weights["t2d"], "sdpa", "cpu", torch.float32)
-    missing, unexpected = draft.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                                 for k, v in weights.items()}, strict=False)
-    assert missing == ["embed_tokens.weight"] and not unexpected
+    ours, draft = same_weights(peer, sf, run["drafter"], weights, embed)
     sd = peer.export_state_dict(draft, run["drafter"])          # SpecForge's names are ours
     assert set(sd) == set(ours.state_dict()) - {"embed_tokens.weight"}
     assert all(torch.equal(sd[k], weights[k].to(sd[k].dtype)) for k in sd)
@@ -378,3 +363,17 @@ def test_fc_norm_template_trains_exports_and_matches(our_run, runs_31):
         draft.fc_norm = None
         plain, _ = peer.step_outputs(model, peer.specforge_inputs(sf, batch, head.float(), "cpu", torch.float32))
         assert not torch.allclose(plain[0][real], sf_outs[0][real], rtol=1e-3, atol=1e-3)
+
+
+def same_weights(peer, sf, drafter: dict, weights: dict, embed: torch.Tensor):
+    """Our drafter and SpecForge's, both holding `weights` (a checkpoint's drafter.safetensors) and the target
+    embedding, in float32 on the CPU."""
+    from eagle3.model import DrafterConfig, Eagle3Drafter
+    ours = Eagle3Drafter(DrafterConfig.from_dict(drafter))
+    ours.load_state_dict(weights, strict=False)
+    ours.load_target_embedding(embed)
+    draft = peer.build_draft(sf, drafter, embed, weights["d2t"], weights["t2d"], "sdpa", "cpu", torch.float32)
+    missing, unexpected = draft.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                 for k, v in weights.items()}, strict=False)
+    assert missing == ["embed_tokens.weight"] and not unexpected
+    return ours, draft
