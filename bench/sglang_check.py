@@ -134,7 +134,7 @@ def check_load(model, tensors: dict[str, torch.Tensor], layout: str) -> dict:
 
 # ------------------------------------------------------------------------------------------ SGLang's decode
 
-def _causal(scores, P):
+def _causal(scores):
     S, T = scores.shape[-2], scores.shape[-1]
     mask = torch.ones(S, T, dtype=torch.bool).tril(diagonal=T - S)
     return scores.masked_fill(~mask, float("-inf"))
@@ -150,7 +150,7 @@ def sglang_attention_llama(sa, x, pos, cache):
     rep = sa.num_heads // sa.num_kv_heads
     kh = cache["k"].view(T, sa.num_kv_heads, d).transpose(0, 1).repeat_interleave(rep, 0)
     vh = cache["v"].view(T, sa.num_kv_heads, d).transpose(0, 1).repeat_interleave(rep, 0)
-    o = torch.softmax(_causal(qh @ kh.transpose(1, 2) * sa.scaling, 0), -1) @ vh
+    o = torch.softmax(_causal(qh @ kh.transpose(1, 2) * sa.scaling), -1) @ vh
     return F.linear(o.transpose(0, 1).reshape(S, -1), sa.o_proj.weight)
 
 
@@ -168,7 +168,7 @@ def sglang_attention_mla(sa, x, pos, cache):
     cache["pe"] = torch.cat([cache.get("pe", k_pe[:0, 0]), k_pe[:, 0]])
     q_lat = torch.bmm(q_nope.transpose(0, 1), sa.w_kc)                           # [h, S, Lkv]
     scores = (q_lat @ cache["c"].T + q_pe.transpose(0, 1) @ cache["pe"].T) * sa.scaling
-    o_lat = torch.softmax(_causal(scores, 0), -1) @ cache["c"]                   # [h, S, Lkv]
+    o_lat = torch.softmax(_causal(scores), -1) @ cache["c"]                   # [h, S, Lkv]
     o = torch.bmm(o_lat, sa.w_vc)                                                 # [h, S, dv]
     return F.linear(o.transpose(0, 1).reshape(S, -1), sa.o_proj.weight)
 

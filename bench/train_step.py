@@ -44,8 +44,10 @@ def flops_per_token(T, K):
     the v width, T/2 keys on average); x3 for forward + backward; plus the teacher's full-vocab lm_head forward.
     The EAGLE-3.1 norms are not counted (elementwise), so an option's cost shows as lower MFU."""
     if LAYOUT == "mla":
-        ql, kl, qk, r, v = MLA["q_lora_rank"], MLA["kv_lora_rank"], 128 + 64, 64, 128
-        per_step = 2 * (2 * H) * ql + 2 * ql * NH * qk + 2 * (2 * H) * (kl + r) + 2 * kl * NH * (128 + v)
+        ql, kl, n, r, v = (MLA[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                            "v_head_dim"))
+        qk = n + r
+        per_step = 2 * (2 * H) * ql + 2 * ql * NH * qk + 2 * (2 * H) * (kl + r) + 2 * kl * NH * (n + v)
         per_step += 2 * NH * v * H + 2 * 3 * H * I + 2 * H * VD + 2 * NH * (qk + v) * (T / 2)
     else:
         per_step = 2 * (2 * H) * (NH * HD + 2 * NKV * HD) + 2 * (NH * HD) * H + 2 * 3 * H * I + 2 * H * VD

@@ -196,7 +196,8 @@ def run_quickstart(q: QuickstartConfig) -> dict:
         fields["loss_tokens"] = q.loss_tokens
     if q.aux_noise is not None:
         fields["aux_noise"] = q.aux_noise
-    for option in ("fc_norm", "norm_before_fc", "norm_output"):
+    from eagle3.model.config import OPTIONS
+    for option in OPTIONS:
         if getattr(q, option) is not None:
             fields[option] = getattr(q, option)
     fields["ttt_steps"] = q.ttt_steps or (fields.get("ttt_steps", 7) if on_gpu else q.draft_steps)

@@ -351,9 +351,13 @@ FEATURE_WHAT = {"layout": "the architecture", "fc_norm": "fc_norm (fc_norm.{i} t
                 "norm_output": "norm_output", "norm_before_fc": "norm_before_fc (input_norm tensor)"}
 
 
+def _features(engine: str, layout: str) -> dict[str, str | None]:
+    return (SGLANG_FEATURES if engine == "sglang" else VLLM_FEATURES)[layout]
+
+
 def first_release_serving(engine: str, layout: str, options: Sequence[str]) -> str | None:
     """The oldest release of `engine` that honours this architecture and every option; None when none does."""
-    table = (SGLANG_FEATURES if engine == "sglang" else VLLM_FEATURES)[layout]
+    table = _features(engine, layout)
     firsts = [table[f] for f in ("layout", *options)]
     if any(f is None for f in firsts):
         return None
@@ -372,7 +376,7 @@ def check_drafter_served(engine: str, release: str | None, layout: str, options:
         raise ContractError(f"vLLM {r} is newer than the releases whose drafter files were read (<= {VLLM_LATEST}); "
                             "extend eagle3.serving.VLLM_FEATURES after reading its llama_eagle3.py / "
                             "deepseek_eagle3.py")
-    table = (SGLANG_FEATURES if engine == "sglang" else VLLM_FEATURES)[layout]
+    table = _features(engine, layout)
     problems = []
     for f in ("layout", *options):
         first = table[f]

@@ -189,7 +189,7 @@ def export_num_aux_layers(config: dict, prov: ExportProvenance | None, where: st
                                prov.target.num_hidden_layers))
 
 
-def _option(config: dict, key: str, layout: str) -> bool:
+def _option(config: dict, key: str) -> bool:
     """An EAGLE-3.1 switch as SGLang 0.5.23 reads it for this layout (sglang/srt/models/llama_eagle3.py and
     kimi_k25_eagle3.py, docs/drafters.md): fc_norm (or the legacy use_aux_norm) and norm_output at the top level;
     norm_before_fc from eagle_config first, then the top level (the MLA class never reads it)."""
@@ -212,7 +212,7 @@ def export_drafter_config(config: dict, prov: ExportProvenance | None, where: st
     if layout is None or config.get("num_hidden_layers") != 1:
         raise C.ContractError(f"{where}: expected architectures one of {[[a] for a in ARCHITECTURES]} and 1 layer, "
                               f"got {arch} with {config.get('num_hidden_layers')} layers")
-    opts = {o: _option(config, o, layout) for o in OPTIONS}
+    opts = {o: _option(config, o) for o in OPTIONS}
     if layout == "mla" and opts["norm_before_fc"]:
         raise C.ContractError(f"{where}: norm_before_fc on {arch[0]}: no SGLang release reads it for this class "
                               "(it would be served without its input_norm)")

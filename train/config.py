@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from eagle3.model.config import OPTIONS  # the EAGLE-3.1 switches: on, off (--no-X), or not given (the preset's)
+
 INIT_HEADS = ("target", "random")  # how the draft head (norm + lm_head) starts: train/trainer.py
 # Which positions the loss learns from: the assistant's tokens (the loss mask the dump recorded), or every real
 # token. The teacher is the target's own distribution at each position whoever wrote the text, so the prompt's
 # positions are supervision too, at no dump cost; the held-out replay walks the assistant's answers either way.
 LOSS_TOKENS = ("assistant", "all")
-TRI_STATE = ("fc_norm", "norm_before_fc", "norm_output")  # on, off (--no-X), or not given (None: the preset's)
 REPORTERS = ("wandb", "tensorboard")  # --report-to names: train/trainer.py's TRACKERS
 
 
@@ -166,7 +167,7 @@ def train_parser() -> argparse.ArgumentParser:
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     # HfArgumentParser adds --no-X only for flags that default to True; the old BooleanOptionalAction flags had both
     for name, f in fields.items():
-        if f.default is False or name in TRI_STATE:
+        if f.default is False or name in OPTIONS:
             ap.add_argument(f"--no-{name.replace('_', '-')}", dest=name, action="store_false")
     for action in ap._actions:
         f = fields.get(action.dest)
@@ -181,7 +182,7 @@ def train_parser() -> argparse.ArgumentParser:
             action.help = f.metadata["help"] + ("" if shown else f" (default: {default})")
         if f.name == "betas":
             action.type = _floats  # one argument "0.9,0.95", as before (HfArgumentParser would call tuple(text))
-        if f.name in TRI_STATE and not action.option_strings[0].startswith("--no-"):
+        if f.name in OPTIONS and not action.option_strings[0].startswith("--no-"):
             action.nargs, action.const, action.type = "?", True, _bool  # --fc-norm alone means true
     ap.set_defaults(**{name: None for name in fields})  # None = not given: a --config preset may fill it
     ap.add_argument("--config", default=None, help="configs/train preset name or a YAML file (its keys are the "
