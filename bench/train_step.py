@@ -10,7 +10,8 @@ hidden states, loss mask all ones, one sequence of T tokens per micro-batch.
 Variants (each: forward + backward of the whole step, timed with CUDA events, median of --iters after 2 warm-ups):
   fast        Eagle3Drafter.ttt_forward(fast=True) + eagle3_loss_fused with the dump-time argmax (draft-row teacher)
   fast_full   the same, but the teacher multiplies the full target head (no dump-time argmax)
-  fast_fa2    `fast` with the causal block on PyTorch's FlashAttention-2 kernel instead of the 'auto' choice (cuDNN on
+  fast_fa2    `fast` with the causal block on PyTorch's FlashAttention-2 kernel (values zero-padded to the key width
+              where narrower) instead of the 'auto' choice (cuDNN on
               Hopper): the attention-kernel lever measured alone
   eager       the plain reference path used in the tests (ttt_forward + eagle3_loss)
   engine      `fast` inside the DeepSpeed engine (ZeRO-2, bf16, fused AdamW): engine(...), backward, step
@@ -251,9 +252,9 @@ def main():
                        "fast_full": [int(x) for x in a.full_tokens.split(",")],
                        "fast_fa2": [int(x) for x in a.fa2_tokens.split(",")]}[v]
             kernels.set_cuda_attention_kernel("flash" if v == "fast_fa2" else "auto")
-            width = max(drafter.midlayer.self_attn.qk_dim, drafter.midlayer.self_attn.v_dim)
+            sa = drafter.midlayer.self_attn
             attn = "sdpa" if v == "eager" else kernels.cuda_attention_kernel(
-                torch.empty(1, NH, 1, width, device="cuda", dtype=torch.bfloat16))
+                torch.empty(1, NH, 1, sa.qk_dim, device="cuda", dtype=torch.bfloat16), sa.v_dim)
             for T in allowed:
                 for ckpt in (["none", "mlp", "step"] if v.startswith("fast") else ["none"]):
                     torch.cuda.empty_cache()

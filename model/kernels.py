@@ -4,8 +4,9 @@ on the CPU; bench/train_step.py on the GPU), but saves fewer activations and syn
 
 * `rms_norm`: saves the input and one fp32 rstd per row (the plain module keeps two fp32 copies of the input).
 * `silu_mul`: silu(gate) * up from the fused [.., 2I] gate_up output, saving only that output.
-* `causal_plus_diagonal`: TTT attention (docs/contract.md §9) as one fused causal-attention call (cuDNN or
-  FlashAttention-2 on CUDA, torch's flash kernel on the CPU) over the step-0 keys plus the diagonal keys merged by
+* `causal_plus_diagonal`: TTT attention (docs/contract.md §9) as one fused causal-attention call (cuDNN,
+  FlashAttention-2 or, where values are narrower than keys, the memory-efficient kernel on CUDA; torch's flash
+  kernel on the CPU) over the step-0 keys plus the diagonal keys merged by
   log-sum-exp. Backward re-uses the fused kernel's own backward: called with the MERGED output and MERGED
   log-sum-exp, it yields exactly the step-0 keys' share of the gradient (the kernel uses `out` only for
   D = rowsum(dO * out) and `lse` only to rebuild P, and both are the full softmax's), so no [T, (1+j)T] mask and no
@@ -82,6 +83,14 @@ def _rms_bwd(x, weight, rstd, g):
     return gx.to(x.dtype), gw.to(weight.dtype)
 
 
+@_fused
+def _rms_bwd_weight(x, rstd, g):
+    """The weight's gradient alone: fc_norm on the captured states, which need none (the [T, 3 x target_hidden]
+    input gradient would be computed and dropped)."""
+    xhat = (x.to(rstd.dtype) * rstd).to(x.dtype).to(rstd.dtype)
+    return (g.to(rstd.dtype) * xhat).reshape(-1, x.shape[-1]).sum(0)
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -92,6 +101,8 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight, rstd = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, _rms_bwd_weight(x, rstd, g).to(weight.dtype), None
         gx, gw = _rms_bwd(x, weight, rstd, g)
         return gx, gw, None
 
@@ -142,10 +153,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ attention
 
 # Which CUDA kernel computes the causal block. 'cudnn' is cuDNN's fused attention (the kernel plain SDPA itself
-# picks on Hopper); 'flash' is PyTorch's FlashAttention-2 build. Both return the log-sum-exp the merge needs and take
-# the merged out/lse in backward (both backward passes use `out` only for rowsum(dO * out) and `lse` only to rebuild
-# P). 'auto' takes cuDNN on sm90/sm100 for head_dim <= 128 (where its backward is supported), else flash.
-CUDA_ATTENTION_KERNELS = ("auto", "cudnn", "flash")
+# picks on Hopper); 'flash' is PyTorch's FlashAttention-2 build; 'efficient' is PyTorch's memory-efficient (CUTLASS)
+# kernel. All return the log-sum-exp the merge needs and take the merged out/lse in backward (their backward passes
+# use `out` only for rowsum(dO * out) and `lse` only to rebuild P). 'auto' takes cuDNN on sm90/sm100 for head_dim
+# <= 128 (where its backward is supported), the memory-efficient kernel where values are narrower than keys (the MLA
+# drafter: 192 against 128; it takes both widths as they are, where FA2 needs the values zero-padded to 192 and ran
+# 2.1x slower at 32,768 tokens on an H100, bench/RESULTS.md), else flash. Deterministic runs get flash.
+CUDA_ATTENTION_KERNELS = ("auto", "cudnn", "flash", "efficient")
 CUDNN_MAX_HEAD_DIM = 128
 _cuda_attention = "auto"
 
@@ -158,19 +172,22 @@ def set_cuda_attention_kernel(name: str) -> None:
     _cuda_attention = name
 
 
-def cuda_attention_kernel(q: torch.Tensor) -> str:
-    """The kernel `causal_plus_diagonal` uses for this CUDA query tensor [B, h, T, d]."""
+def cuda_attention_kernel(q: torch.Tensor, v_dim: int | None = None) -> str:
+    """The kernel `causal_plus_diagonal` uses for this CUDA query tensor [B, h, T, d] and values of width v_dim
+    (default: d)."""
     if _cuda_attention == "cudnn" and q.shape[-1] > CUDNN_MAX_HEAD_DIM:
         raise ValueError(f"attention kernel 'cudnn' was pinned but head_dim {q.shape[-1]} > {CUDNN_MAX_HEAD_DIM}, "
-                         "where cuDNN has no attention backward; use 'auto' or 'flash'")
+                         "where cuDNN has no attention backward; use 'auto', 'flash' or 'efficient'")
     if _cuda_attention != "auto":
         return _cuda_attention
+    if torch.are_deterministic_algorithms_enabled():  # cuDNN's and the memory-efficient backward are not
+        return "flash"
+    if v_dim is not None and v_dim != q.shape[-1]:
+        return "efficient"
     # Hopper and datacenter Blackwell only (sm_90 / sm_100): the parts cuDNN's fused attention is tuned for and
-    # PyTorch's SDPA itself prefers it on. Its backward is not deterministic, so a run that asked for
-    # deterministic algorithms gets FA2.
+    # PyTorch's SDPA itself prefers it on.
     cudnn_ok = (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()
-                and torch.cuda.get_device_capability(q.device)[0] in (9, 10) and q.shape[-1] <= CUDNN_MAX_HEAD_DIM
-                and not torch.are_deterministic_algorithms_enabled())
+                and torch.cuda.get_device_capability(q.device)[0] in (9, 10) and q.shape[-1] <= CUDNN_MAX_HEAD_DIM)
     return "cudnn" if cudnn_ok else "flash"
 
 
@@ -247,30 +264,56 @@ def _flash_backward(dout, q, k, v, out, lse, state, scale, causal: bool):
         dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale)
 
 
+def _efficient_forward(q, k, v, scale, causal: bool):
+    """PyTorch's memory-efficient kernel (CUDA): any value width. Its log-sum-exp comes padded to a multiple of 32
+    rows; the pad is kept for the backward, which reads the padded shape."""
+    r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+    T = q.shape[2]
+    lse = r[1]
+    tail = lse[:, :, T:].clone() if lse.shape[2] > T else None
+    return r[0], lse[:, :, :T], ("efficient", r[2], r[3], tail)
+
+
+def _efficient_backward(dout, q, k, v, out, lse, state, scale, causal: bool):
+    _, seed, offset, tail = state
+    if tail is not None:
+        lse = torch.cat([lse, tail], 2)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, lse.contiguous(), seed, offset, 0.0, [True, True, True, False], causal,
+        scale=scale)
+    return dq, dk, dv
+
+
 def _block_forward(q, k, v, scale, causal: bool):
     """One attention block with its log-sum-exp: (out [B, h, T, dv], lse [B, h, T] fp32, state for backward).
-    causal: the chunk's own keys; not causal: every query over all the prefix keys (the earlier chunks'). cuDNN where
-    `cuda_attention_kernel` picks it, for a prefix block only when its keys come in a multiple of CUDNN_T_MULTIPLE
-    (sequence_pieces_loss cuts its pieces so; at 131,072 tokens in pieces that block is most of the attention), else
-    FA2 (or the CPU flash kernel).
-    Values narrower than the keys (MLA: 128 against 192) are zero-padded to the key width for the kernel, whose flash
-    implementations take one head width: the padded output columns are zero and are dropped."""
+    causal: the chunk's own keys; not causal: every query over all the prefix keys (the earlier chunks'). The CUDA
+    kernel is `cuda_attention_kernel`'s; cuDNN for a prefix block only when its keys come in a multiple of
+    CUDNN_T_MULTIPLE (sequence_pieces_loss cuts its pieces so; at 131,072 tokens in pieces that block is most of the
+    attention), else FA2 (or the CPU flash kernel).
+    Values narrower than the keys (MLA: 128 against 192) go to the memory-efficient kernel as they are on CUDA; for
+    the flash kernels (CPU, deterministic runs, 'flash' pinned) they are zero-padded to the key width, the kernels
+    taking one head width: the padded output columns are zero and are dropped."""
     dv = v.shape[-1]
+    kernel = cuda_attention_kernel(q, dv) if q.is_cuda else "cpu"
+    if kernel == "efficient":
+        return _efficient_forward(q, k, v, scale, causal)
     if dv != q.shape[-1]:
         out, lse, state = _block_forward(q, k, _pad_d(v, q.shape[-1]), scale, causal)
         return out[..., :dv].contiguous(), lse, state
-    if q.is_cuda and cuda_attention_kernel(q) == "cudnn" and (causal or k.shape[2] % CUDNN_T_MULTIPLE == 0):
+    if kernel == "cudnn" and (causal or k.shape[2] % CUDNN_T_MULTIPLE == 0):
         return _cudnn_forward(q, k, v, scale, causal)
     return _flash_forward(q, k, v, scale, causal)
 
 
 def _block_backward(dout, q, k, v, out, lse, state, scale, causal: bool):
+    if state is not None and state[0] == "efficient":
+        return _efficient_backward(dout, q, k, v, out, lse, state, scale, causal)
     dv = v.shape[-1]
     if dv != q.shape[-1]:  # as padded in _block_forward; the zero columns of dout leave rowsum(dO * O) as it is
         w = q.shape[-1]
         dq, dk, dvp = _block_backward(_pad_d(dout, w), q, k, _pad_d(v, w), _pad_d(out, w), lse, state, scale, causal)
         return dq, dk, dvp[..., :dv]
-    if q.is_cuda and state[0] == "cudnn":
+    if state is not None and state[0] == "cudnn":
         return _cudnn_backward(dout, q, k, v, out, lse, state, scale, causal)
     return _flash_backward(dout, q, k, v, out, lse, state, scale, causal)
 

@@ -81,6 +81,12 @@ def test_rms_norm_and_silu_mul_match_plain_autograd():
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     for a, b in zip(g, g_ref):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    # an input that needs no gradient (fc_norm on the captured states): the weight's gradient alone, the same
+    wl = w.clone().requires_grad_(True)
+    (kernels.rms_norm(x, wl, 1e-6) * ref.detach().cos()).sum().backward()
+    wr = w.clone().requires_grad_(True)
+    (plain(x, wr) * ref.detach().cos()).sum().backward()
+    torch.testing.assert_close(wl.grad, wr.grad, rtol=1e-10, atol=1e-10)
     gu = torch.randn(5, 2 * 9, generator=gen, dtype=torch.float64) * 3
     out, (g,) = grads_of(kernels.silu_mul, [gu])
     ref, (g_ref,) = grads_of(lambda t: F.silu(t[:, :9]) * t[:, 9:], [gu])
@@ -178,12 +184,12 @@ def cuda_kernel(request):
 
 
 @needs_gpu
-@pytest.mark.parametrize("cuda_kernel", ["flash", "cudnn"], indirect=True)
+@pytest.mark.parametrize("cuda_kernel", ["flash", "cudnn", "efficient", "auto"], indirect=True)
 @pytest.mark.parametrize("nkv,j,T,d,dv", [(64, 0, 300, 128, 128), (16, 3, 300, 128, 128), (64, 2, 37, 128, 128),
                                           (64, 6, 1024, 128, 128), (64, 3, 300, 192, 128), (64, 6, 1024, 192, 128)])
 def test_cuda_causal_plus_diagonal_matches_float64_dense(cuda_kernel, nkv, j, T, d, dv):
-    """Each CUDA kernel at the Kimi head shapes (Llama layout 128; MLA: q/k 192, v 128, the values padded to the key
-    width for the kernel): bf16 output and gradients against the float64 dense mask on the CPU, within bf16
+    """Each CUDA kernel at the Kimi head shapes (Llama layout 128; MLA: q/k 192, v 128: the values padded to the key
+    width for flash, as they are for the memory-efficient kernel, which 'auto' picks there): bf16 output and gradients against the float64 dense mask on the CPU, within bf16
     rounding. A wrong log-sum-exp convention or layout in the merge fails here, and so does cuDNN's T padding (300
     and 37 are padded to 384 and 128; 1024 is not)."""
     if cuda_kernel == "cudnn" and torch.cuda.get_device_capability() < (9, 0):
@@ -211,6 +217,8 @@ def test_cuda_attention_kernel_names_are_checked():
     try:
         kernels.set_cuda_attention_kernel("flash")
         assert kernels.cuda_attention_kernel(torch.empty(1, 1, 1, 128)) == "flash"
+        kernels.set_cuda_attention_kernel("efficient")
+        assert kernels.cuda_attention_kernel(torch.empty(1, 1, 1, 128)) == "efficient"
         kernels.set_cuda_attention_kernel("cudnn")
         assert kernels.cuda_attention_kernel(torch.empty(1, 1, 1, 128)) == "cudnn"
         with pytest.raises(ValueError, match="head_dim 256 > 128"):  # cuDNN has no backward there
@@ -225,9 +233,13 @@ def test_cuda_auto_kernel_rule():
     hopper = torch.cuda.get_device_capability()[0] in (9, 10) and torch.backends.cudnn.is_available()
     assert kernels.cuda_attention_kernel(q) == ("cudnn" if hopper else "flash")
     assert kernels.cuda_attention_kernel(torch.empty(1, 1, 1, 256, device="cuda")) == "flash"
+    mla_q = torch.empty(1, 1, 1, 192, device="cuda")
+    assert kernels.cuda_attention_kernel(mla_q, 128) == "efficient"   # values narrower than keys
+    assert kernels.cuda_attention_kernel(mla_q, 192) == "flash"
     torch.use_deterministic_algorithms(True)
-    try:  # cuDNN's attention backward is not deterministic
+    try:  # cuDNN's and the memory-efficient attention backward are not deterministic
         assert kernels.cuda_attention_kernel(q) == "flash"
+        assert kernels.cuda_attention_kernel(mla_q, 128) == "flash"
     finally:
         torch.use_deterministic_algorithms(False)
 

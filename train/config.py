@@ -106,7 +106,7 @@ class TrainConfig:
                                 "sequence_pieces_loss): one GPU then holds one piece's activations, for samples "
                                 "longer than it holds whole; the same gradient. 0: whole rows. Not with "
                                 "--sequence-parallel or ZeRO-3")
-    attention_kernel: str = _opt("auto", "fast path CUDA attention: auto | cudnn | flash (model/kernels.py)")
+    attention_kernel: str = _opt("auto", "fast path CUDA attention: auto | cudnn | flash | efficient (model/kernels.py)")
     teacher_chunk_tokens: int = _opt(4096, "tokens per chunk of the teacher's lm_head (bounds its memory)")
     # ---- run control and logging
     resume: bool = _opt(False, "continue the run in --out from checkpoints/latest (same data order and split)")
