@@ -167,6 +167,10 @@ class TargetInfo:
     vocab_size: int
     config_sha256: str
     model_type: str = ""
+    # target/fingerprint.py: "<method>:<sha256>" of the weight files; "" in artefacts written before it was recorded
+    # (they then match no target: re-make them). `revision`: the hub snapshot it came from, provenance only.
+    weights_sha256: str = ""
+    revision: str = ""
 
 
 @dataclass
@@ -266,6 +270,7 @@ class DumpManifest:
     def identity(self) -> dict:
         """What two dumps must share to be mixed, and a run resumed into the same OUT must match."""
         return {"target.config_sha256": self.target.config_sha256,
+                "target.weights_sha256": self.target.weights_sha256,
                 "target.architecture": self.target.architecture,
                 "target.hidden_size": self.target.hidden_size,
                 "target.vocab_size": self.target.vocab_size,
@@ -342,6 +347,15 @@ def require_same_capture(a: dict, b: dict, what_a: str, what_b: str) -> None:
     """Compare two identity dicts (see DumpManifest.identity) and fail loudly, naming every difference."""
     diffs = [f"  {k}: {a.get(k)!r} ({what_a}) != {b.get(k)!r} ({what_b})"
              for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if any(k.endswith("weights_sha256") and not (a.get(k) and b.get(k)) for k in set(a) | set(b)
+           if a.get(k) != b.get(k)):
+        diffs.append("  (an empty weights_sha256: written before eagle3 made a target's weights part of its "
+                     "identity, or by a --server regeneration whose --target copy held no weights; what it was made "
+                     "from cannot be checked: make it again with this eagle3 and the target's weights)")
+    elif any(k.endswith("weights_sha256") and a.get(k) and b.get(k) and a[k].split(":")[0] != b[k].split(":")[0]
+             for k in set(a) | set(b)):
+        diffs.append("  (the two weights digests were taken by different methods, sampled and full: give the "
+                     "same --full-weights-digest choice to both)")
     if diffs:
         raise ContractError(f"capture contract mismatch between {what_a} and {what_b}:\n" + "\n".join(diffs))
 

@@ -99,7 +99,8 @@ def _extra(d: dict, known: list[str]) -> dict:
 
 _TARGET = [("path", (str,), _REQUIRED), ("architecture", (str,), _REQUIRED), ("num_hidden_layers", (int,), _REQUIRED),
            ("hidden_size", (int,), _REQUIRED), ("vocab_size", (int,), _REQUIRED),
-           ("config_sha256", (str,), _REQUIRED), ("model_type", (str,), "")]
+           ("config_sha256", (str,), _REQUIRED), ("model_type", (str,), ""), ("weights_sha256", (str,), ""),
+           ("revision", (str,), "")]
 _CAPTURE = [("hidden_state_indices", (INTS,), _REQUIRED), ("convention", (str,), "hf_hidden_states_index")]
 
 
@@ -265,8 +266,8 @@ _PROV_ORDER = ["format", "format_version", "engine", "sglang_release", "vllm_rel
                "run_dir", "step", "checkpoint", "standardize", "drafter", "vocab", "notes", "created",
                "model_safetensors_sha256"]
 # The provenance lists the target's fields in its own order (not TargetInfo's).
-_PROV_TARGET_ORDER = ["architecture", "model_type", "config_sha256", "num_hidden_layers", "hidden_size", "vocab_size",
-                      "path"]
+_PROV_TARGET_ORDER = ["architecture", "model_type", "config_sha256", "weights_sha256", "num_hidden_layers",
+                      "hidden_size", "vocab_size", "path", "revision"]
 
 
 @dataclass(kw_only=True)

@@ -84,6 +84,8 @@ def render(report: dict) -> str:
         f"dump        {report['path']}  ({report['format']})",
         f"target      {t['architecture']} ({t['model_type']}), {t['num_hidden_layers']} layers, hidden "
         f"{t['hidden_size']}, vocab {t['vocab_size']}, config sha256 {t['config_sha256'][:12]}",
+        f"weights     {t.get('weights_sha256') or 'not recorded (made before eagle3 recorded weights)'}"
+        f"{'  from ' + t['revision'] if t.get('revision') else ''}",
         f"capture     HF indices {report['capture']['hidden_state_indices']} = {report['capture']['meaning']}",
         f"data        {tot['samples']:,} samples, {tot['tokens']:,} tokens, {tot['bytes'] / 2**30:,.2f} GiB in "
         f"{tot['shards']} shards; {report['bytes_per_token']:,.0f} B/token; dtype {report['dtype']}",

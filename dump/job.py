@@ -51,6 +51,7 @@ class DumpConfig:
     stop_after_shards: int | None = None  # testing aid: exit after writing this many shards (simulates a kill)
     allow_foreign_data: bool = False     # dump data that `eagle3 regenerate` wrote with another target anyway
     trust_remote_code: bool = False      # run the tokenizer code the target ships (Kimi-K2.5: tokenization_kimi.py)
+    full_weights_digest: bool = False    # hash every byte of the target's weights (target/fingerprint.py)
 
     def __post_init__(self):
         # Checked here, not in the CLI: `python -m eagle3.dump` under torchrun and library callers get the same
@@ -241,7 +242,7 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
 
     # Everything that can be refused is refused before the model loads (the arguments: DumpConfig itself).
     dtype = T.DTYPES[cfg.dtype]
-    info = T.target_info(cfg.target)
+    info = T.target_info(cfg.target, full_weights=cfg.full_weights_digest)
     indices = C.validate_indices(cfg.layers if cfg.layers is not None
                                  else C.default_capture_indices(info.num_hidden_layers), info.num_hidden_layers)
     T.check_tp_divisibility(T.read_config(cfg.target), cfg.tp, f"{cfg.target}/config.json")

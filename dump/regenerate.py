@@ -105,6 +105,7 @@ class RegenConfig:
     batching: str = "auto"               # hf: auto | padded | continuous (see BATCHING)
     kv_cache: str = "auto"               # hf padded: auto | dynamic | static (see KV_CACHES)
     trust_remote_code: bool = False      # run the tokenizer code the target ships (target/load.py load_tokenizer)
+    full_weights_digest: bool = False    # hash every byte of the target's weights (target/fingerprint.py)
     progress: bool = True
     stop_after_batches: int | None = None  # testing aid: stop after this many batches per rank (simulates a kill)
 
@@ -434,19 +435,27 @@ def sampling(cfg: RegenConfig) -> dict:
 
 
 def identity_of(target: dict | None, tokenizer: dict | None) -> dict | None:
-    """The three hashes that say whether text was written by a given target (compared by the dump)."""
+    """The hashes that say whether text was written by a given target (compared by the dump): its config, its
+    weights ('' when a --server run's --target copy holds no weights: then nothing can vouch for them), its
+    tokenizer and chat template."""
     if not target or not tokenizer:
         return None
-    return {"config_sha256": target["config_sha256"], "tokenizer_sha256": tokenizer["sha256"],
-            "chat_template_sha256": tokenizer["chat_template_sha256"]}
+    return {"config_sha256": target["config_sha256"], "weights_sha256": target.get("weights_sha256", ""),
+            "tokenizer_sha256": tokenizer["sha256"], "chat_template_sha256": tokenizer["chat_template_sha256"]}
 
 
-def _target_identity(target_dir: str | None, trust_remote_code: bool = False):
-    """(TargetInfo dict, TokenizerInfo dict, tokenizer) of a local target directory, or Nones."""
+def _target_identity(target_dir: str | None, trust_remote_code: bool = False, full_weights: bool = False,
+                     weights_optional: bool = False):
+    """(TargetInfo dict, TokenizerInfo dict, tokenizer) of a local target directory, or Nones. weights_optional: a
+    --server run's local copy may be config + tokenizer only (weights_sha256 then '')."""
     if not target_dir:
         return None, None, None
     from eagle3.target import load as T
-    info = T.target_info(target_dir)
+    from eagle3.target.fingerprint import weight_files
+    if weights_optional and not weight_files(target_dir):
+        info = T.target_info(target_dir, weights=False)
+    else:
+        info = T.target_info(target_dir, full_weights=full_weights)
     tok = T.load_tokenizer(target_dir, trust_remote_code=trust_remote_code)
     remote = T.remote_code_tokenizer(target_dir) if trust_remote_code else None  # recorded, as the dump does
     return dataclasses.asdict(info), dataclasses.asdict(T.tokenizer_info(tok, remote)), tok
@@ -998,7 +1007,8 @@ def run_regenerate(cfg: RegenConfig) -> dict:
     cfg = dataclasses.replace(cfg, data=list(cfg.data), servers=list(cfg.servers) if cfg.servers else None)
     _validate(cfg)
     # Everything that can be refused is refused before OUT is touched.
-    target, tokenizer, tok = _target_identity(cfg.target, cfg.trust_remote_code)
+    target, tokenizer, tok = _target_identity(cfg.target, cfg.trust_remote_code, cfg.full_weights_digest,
+                                              weights_optional=cfg.backend == "server")
     urls, model, engine_info = None, None, None
     if cfg.backend == "server":
         if int(os.environ.get("WORLD_SIZE", 1)) > 1:
@@ -1100,8 +1110,8 @@ def data_sources(paths: list[str], target, tokenizer, allow_foreign: bool = Fals
     """For each data file with a regenerate.json beside it: check that the same target (config, tokenizer and chat
     template hashes) wrote it -- ContractError naming both unless allow_foreign -- and describe the source for
     the dump manifest. Files without a regenerate.json are not listed."""
-    ours = {"config_sha256": target.config_sha256, "tokenizer_sha256": tokenizer.sha256,
-            "chat_template_sha256": tokenizer.chat_template_sha256}
+    ours = {"config_sha256": target.config_sha256, "weights_sha256": target.weights_sha256,
+            "tokenizer_sha256": tokenizer.sha256, "chat_template_sha256": tokenizer.chat_template_sha256}
     sources = []
     for p in paths:
         rec_path = os.path.join(os.path.dirname(os.path.abspath(p)), RECORD_FILE)
@@ -1114,10 +1124,25 @@ def data_sources(paths: list[str], target, tokenizer, allow_foreign: bool = Fals
         except (OSError, ValueError, AttributeError) as e:
             raise C.ContractError(f"{rec_path}: unreadable regenerate record ({e})") from e
         writer = f"{rec.get('backend')} model {rec.get('model')}"
+        if isinstance(theirs, dict) and theirs.get("weights_sha256") and theirs["weights_sha256"].split(":")[0] != \
+                (target.weights_sha256 or "").split(":")[0]:  # digested by the other method: take ours likewise
+            from eagle3.target.load import target_info
+            ours = dict(ours, weights_sha256=target_info(target.path, like=theirs["weights_sha256"]).weights_sha256)
         if theirs != ours and not allow_foreign:
             if theirs is None:
                 why = (f"{p} was regenerated by {writer} with no target identity recorded (a --server run without "
                        f"--target), so it cannot be checked against the target {target.path}")
+            elif not theirs.get("weights_sha256") and {k: v for k, v in theirs.items() if k != "weights_sha256"} \
+                    == {k: v for k, v in ours.items() if k != "weights_sha256"}:
+                why = (f"{p} was regenerated by {writer} with no weights recorded (its --target had none, or it was "
+                       f"written before eagle3 recorded them), so nothing says the served model is {target.path}, "
+                       "whose config and tokenizer it shares")
+            elif theirs.get("weights_sha256") != ours["weights_sha256"] and \
+                    {k: v for k, v in theirs.items() if k != "weights_sha256"} == \
+                    {k: v for k, v in ours.items() if k != "weights_sha256"}:
+                why = (f"{p} was regenerated by a target with this config and tokenizer but OTHER WEIGHTS ({writer}: "
+                       f"weights {theirs.get('weights_sha256')}; this dump's target {target.path}: weights "
+                       f"{ours['weights_sha256']}): a fine-tune, another revision or another model")
             else:
                 why = (f"{p} was regenerated by another target: {writer} (config {theirs.get('config_sha256')}, "
                        f"tokenizer {theirs.get('tokenizer_sha256')}, chat template "

@@ -197,16 +197,25 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     from eagle3.model.checkpoint import capture_indices_of_export, load_export
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tdtype = DTYPES[dtype]
-    info = target_info(target_dir)
     # Verified (sha256, ids vs provenance, shapes) before the target is loaded: a bad export fails fast.
     export = load_export(export_dir, allow_foreign=allow_foreign_export)
+    prov = export[2]
+    info = target_info(target_dir, like=prov.target.weights_sha256 if prov is not None else None)
     indices = capture_indices_of_export(export_dir, info.num_hidden_layers, target_model_type=info.model_type,
                                         allow_foreign=allow_foreign_export)
+    tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code)
+    if prov is not None and not allow_foreign_export:  # the drafter was trained for this target, weights included
+        from eagle3.contract import require_same_capture
+        from eagle3.target.load import target_identity, tokenizer_info
+        mine = target_identity(info, tokenizer_info(tokenizer))
+        theirs = {k: prov.identity.get(k) for k in mine} if prov.identity else \
+            {"target.config_sha256": prov.target.config_sha256, "target.weights_sha256": prov.target.weights_sha256}
+        require_same_capture(theirs, {k: mine[k] for k in theirs}, f"the export {export_dir} (trained for)",
+                             f"--target {target_dir}")
     drafter_for = export[0]["target_hidden_size"]
     if drafter_for != info.hidden_size:  # fc would not fit the captured states
         raise ContractError(f"{export_dir}/config.json: target_hidden_size {drafter_for}, but the target "
                             f"{target_dir} has hidden_size {info.hidden_size}")
-    tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code)
     target = load_target(target_dir, tdtype, dev)
     backbone = find_backbone(target, info.num_hidden_layers)
     drafter = load_drafter_from_export(export_dir, target.get_input_embeddings().weight, tdtype, dev, export=export)

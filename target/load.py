@@ -76,16 +76,41 @@ def text_config_dict(cfg: dict) -> dict:
     return cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
 
 
-def target_info(target_dir: str) -> TargetInfo:
+def target_info(target_dir: str, full_weights: bool = False, like: str | None = None,
+                weights: bool = True) -> TargetInfo:
+    """The target's identity: its config, and its weights' digest (target/fingerprint.py; sampled unless
+    full_weights, or taken by the method of `like`, a recorded weights_sha256 it is to be compared with; left ''
+    with weights=False, for a --server run's config-only copy)."""
+    from eagle3.target.fingerprint import FULL, hub_revision, weights_fingerprint
     cfg = read_config(target_dir)
     text = text_config_dict(cfg)
+    if like:
+        full_weights = like.startswith(FULL + ":")
     try:
-        return TargetInfo(path=os.path.abspath(target_dir), architecture=(cfg.get("architectures") or ["?"])[0],
-                          num_hidden_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
-                          vocab_size=int(text["vocab_size"]), config_sha256=config_hash(cfg),
-                          model_type=cfg.get("model_type", ""))
+        info = dict(path=os.path.abspath(target_dir), architecture=(cfg.get("architectures") or ["?"])[0],
+                    num_hidden_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
+                    vocab_size=int(text["vocab_size"]), config_sha256=config_hash(cfg),
+                    model_type=cfg.get("model_type", ""))
     except KeyError as e:
         raise TargetError(f"{target_dir}/config.json: missing {e} (of the text model)") from e
+    except (TypeError, ValueError) as e:
+        raise TargetError(f"{target_dir}/config.json: {e} (of the text model)") from e
+    try:
+        digest = weights_fingerprint(target_dir, full=full_weights)["sha256"] if weights else ""
+    except FileNotFoundError as e:
+        raise TargetError(str(e)) from None
+    return TargetInfo(**info, weights_sha256=digest, revision=hub_revision(target_dir))
+
+
+def target_identity(info: TargetInfo, tok: TokenizerInfo | None = None) -> dict:
+    """The target's part of DumpManifest.identity() (the keys a manifest, run or export records), for a target
+    directory at hand: what stages compare with what they were made from."""
+    ident = {"target.config_sha256": info.config_sha256, "target.weights_sha256": info.weights_sha256,
+             "target.architecture": info.architecture, "target.hidden_size": info.hidden_size,
+             "target.vocab_size": info.vocab_size}
+    if tok is not None:
+        ident.update({"tokenizer.sha256": tok.sha256, "tokenizer.chat_template_sha256": tok.chat_template_sha256})
+    return ident
 
 
 def tokenizer_info(tokenizer, remote_code: str | None = None) -> TokenizerInfo:

@@ -123,12 +123,9 @@ def noisy_aux(hidden_state: torch.Tensor, scale: float, num_aux: int, seed: int)
 def check_target_matches_dumps(target_dir: str, manifest: C.DumpManifest, trust_remote_code: bool = False) -> None:
     """The target named for training must be the one the dumps were made with. `trust_remote_code`: run the
     tokenizer code the target ships (Kimi-K2.5), refused otherwise (target/load.py load_tokenizer)."""
-    from eagle3.target.load import load_tokenizer, target_info, tokenizer_info
-    info = target_info(target_dir)
-    tok = tokenizer_info(load_tokenizer(target_dir, trust_remote_code=trust_remote_code))
-    mine = {"target.config_sha256": info.config_sha256, "target.architecture": info.architecture,
-            "target.hidden_size": info.hidden_size, "target.vocab_size": info.vocab_size,
-            "tokenizer.sha256": tok.sha256, "tokenizer.chat_template_sha256": tok.chat_template_sha256}
+    from eagle3.target.load import load_tokenizer, target_identity, target_info, tokenizer_info
+    info = target_info(target_dir, like=manifest.target.weights_sha256)
+    mine = target_identity(info, tokenizer_info(load_tokenizer(target_dir, trust_remote_code=trust_remote_code)))
     dumped = {k: v for k, v in manifest.identity().items() if k in mine}
     C.require_same_capture(dumped, mine, "the dumps", f"--target {target_dir}")
 
