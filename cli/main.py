@@ -123,11 +123,15 @@ def _add_regenerate(p: argparse.ArgumentParser) -> None:
                      help="run the tokenizer code the target ships (tokenizer_config.json auto_map, e.g. Kimi-K2.5's "
                           "tokenization_kimi.py); refused otherwise. Recorded in regenerate.json")
     _add_full_weights_digest(src)
+    src.add_argument("--max-error-rate", type=float, default=d.max_error_rate,
+                     help="the run ends non-zero when more than this share of its conversations failed (every "
+                          "one failing always does); the answers kept stay written")
     srv = p.add_argument_group("server options")
     srv.add_argument("--model", default=None, help="model name sent to the server (default: first id of GET /models)")
     srv.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY, else 'EMPTY'")
     srv.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight per server")
-    srv.add_argument("--timeout", type=float, default=d.timeout, help="seconds per request")
+    srv.add_argument("--timeout", type=float, default=d.timeout,
+                     help="seconds a whole request may take (its whole answer, however slowly it arrives)")
     srv.add_argument("--retries", type=int, default=d.retries,
                      help="retries of a transient failure (connection error, timeout, HTTP 5xx / 429)")
     srv.add_argument("--retry-backoff", type=float, default=d.retry_backoff,
@@ -180,7 +184,8 @@ def cmd_regenerate(a: argparse.Namespace) -> None:
                       max_turns=a.max_turns, max_prompt_tokens=a.max_prompt_tokens, reasoning=a.reasoning,
                       dtype=a.dtype, device=a.device, batch_size=a.batch_size, batch_tokens=a.batch_tokens,
                       batching=a.batching, kv_cache=a.kv_cache, trust_remote_code=a.trust_remote_code,
-                      full_weights_digest=a.full_weights_digest, progress=not a.no_progress,
+                      full_weights_digest=a.full_weights_digest, max_error_rate=a.max_error_rate,
+                      progress=not a.no_progress,
                       stop_after_batches=a.stop_after_batches)
     try:
         record = run_regenerate(cfg)

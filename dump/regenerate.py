@@ -19,10 +19,14 @@ Output (--out):
 * ``conversations.jsonl``: ``{"sample_index", "messages", "finish_reasons", "completion_tokens"}`` per
   regenerated conversation, sorted by sample_index when the run ends (``messages`` is what the dump reads);
 * ``errors.jsonl`` (sample_index, origin, turn, kind, error) and ``skipped.jsonl`` (sample_index, origin, reason);
-  error kind ``server``: the request failed after its retries (a rerun may succeed); ``answer``: the target's
-  answer is unusable (empty, or the prompt does not fit the context);
+  error kind ``server``: the request failed after its retries, or the server's answer was malformed (not JSON, no
+  message, content that is not text, a token count that is not a number) through its retries (a rerun may
+  succeed); ``answer``: the target's answer is unusable (empty, or the prompt does not fit the context) or the
+  server rejected the request (HTTP 4xx);
 * ``regenerate.json``: target identity (the hashes the dump manifest records), backend, model, sampling,
-  reasoning mode, inputs with sha256, counts, finish reasons, elapsed time;
+  reasoning mode, inputs with sha256, counts, finish reasons, elapsed time, and a status: ``complete``,
+  ``incomplete`` (server errors or pending conversations: rerun) or ``failed`` (every attempted conversation, or
+  more than --max-error-rate of them, failed; the CLI exits non-zero for the last two);
 * ``regenerate_config.json``: written at the start; a rerun with other sampling/target/backend/inputs is refused.
 
 Resume: rerunning the same command regenerates exactly the samples that have no line in conversations.jsonl (read
@@ -106,6 +110,7 @@ class RegenConfig:
     kv_cache: str = "auto"               # hf padded: auto | dynamic | static (see KV_CACHES)
     trust_remote_code: bool = False      # run the tokenizer code the target ships (target/load.py load_tokenizer)
     full_weights_digest: bool = False    # hash every byte of the target's weights (target/fingerprint.py)
+    max_error_rate: float = 0.1          # a run whose failed conversations exceed this share ends non-zero
     progress: bool = True
     stop_after_batches: int | None = None  # testing aid: stop after this many batches per rank (simulates a kill)
 
@@ -294,13 +299,17 @@ def _drop_partial_line(path: str) -> int:
         return size - pos
 
 
-def _read_lines(path: str) -> list[tuple[int, str]]:
-    """(sample_index, raw line) of every line; a line that is not a record is an error naming path:line."""
+def _read_lines(path: str, partial_tail_ok: bool = False) -> list[tuple[int, str]]:
+    """(sample_index, raw line) of every line; a line that is not a record is an error naming path:line.
+    partial_tail_ok: a last line without its newline (a write cut by a kill, dropped on resume) is left out
+    unread."""
     out = []
     if not os.path.isfile(path):
         return out
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="strict") as f:
         for lineno, line in enumerate(f, 1):
+            if partial_tail_ok and not line.endswith("\n"):
+                break
             line = line.rstrip("\n")
             if not line.strip():
                 continue
@@ -363,13 +372,17 @@ def _run_config(cfg: RegenConfig, identity: dict | None, model: str | None, inpu
 
 
 def _check_config(out: str, current: dict) -> str | None:
+    """Why OUT's recorded settings refuse this run, or None (nothing is written here)."""
     path = os.path.join(out, CONFIG_FILE)
     if not os.path.isfile(path):
-        from eagle3.dump.shards import atomic_write_text
-        atomic_write_text(path, json.dumps(current, indent=1))
         return None
-    with open(path) as f:
-        old = json.load(f)
+    try:
+        with open(path) as f:
+            old = json.load(f)
+        if not isinstance(old, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"{path}: not a regenerate config ({e}); use a new --out"
     diff = [f"{k}: {json.dumps(old.get(k))} there, {json.dumps(current[k])} now"
             for k in current if old.get(k) != current[k]]
     if diff:
@@ -382,10 +395,21 @@ def _prepare_out(cfg: RegenConfig, current: dict, skipped: list[dict]) -> set[in
     """Rank 0: make OUT, refuse other settings, repair cut-off lines, write skipped.jsonl. Returns the samples
     not to regenerate: those written, and with the hf engine those whose answer was unusable (it is
     deterministic, so the same answer would come back, at the price of regenerating the whole batch)."""
-    os.makedirs(cfg.out, exist_ok=True)
-    msg = _check_config(cfg.out, current)
+    msg = _check_config(cfg.out, current) if os.path.isdir(cfg.out) else None
     if msg:
         raise C.ContractError(msg)
+    # Every complete line is read before anything is written or repaired: a directory holding files that are not
+    # this tool's is refused exactly as it was found (a cut-off last line is repaired only after this passes).
+    for name in (CONVERSATIONS, ERRORS, SKIPPED):
+        for path in [os.path.join(cfg.out, name), *_part_files(cfg.out, name)]:
+            try:
+                _read_lines(path, partial_tail_ok=True)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: not UTF-8 text ({e}); not this tool's file: use a new --out") from None
+    os.makedirs(cfg.out, exist_ok=True)
+    if not os.path.isfile(os.path.join(cfg.out, CONFIG_FILE)):
+        from eagle3.dump.shards import atomic_write_text
+        atomic_write_text(os.path.join(cfg.out, CONFIG_FILE), json.dumps(current, indent=1))
     done: set[int] = set()
     for name in (CONVERSATIONS, ERRORS):
         for path in [os.path.join(cfg.out, name), *_part_files(cfg.out, name)]:
@@ -474,7 +498,10 @@ def build_record(cfg: RegenConfig, *, target: dict | None, tokenizer: dict | Non
     record = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         # incomplete: a rerun has work to do (conversations not attempted, or failed on the server)
-        "status": "complete" if not pending and not any(e["kind"] == "server" for e in errors) else "incomplete",
+        "status": ("failed" if _over_error_rate(len(convs), len(errors), cfg.max_error_rate)
+                   else "complete" if not pending and not any(e["kind"] == "server" for e in errors)
+                   else "incomplete"),
+        "max_error_rate": cfg.max_error_rate,
         "backend": cfg.backend, "model": model, "servers": servers, "engine": engine,
         "target": target, "tokenizer": tokenizer, "identity": identity_of(target, tokenizer),
         "sampling": sampling(cfg), "reasoning": cfg.reasoning,
@@ -620,7 +647,14 @@ class HFEngine:
 
     def text(self, new_ids: list[int], finish: str) -> str:
         body = new_ids[:-1] if finish == "stop" else new_ids
-        return self.tokenizer.decode(body, skip_special_tokens=True)
+        text = self.tokenizer.decode(body, skip_special_tokens=True)
+        # An answer cut by --max-new-tokens inside a multi-byte character decodes its partial bytes as U+FFFD, a
+        # character the target never wrote (the dump would train on it): end at the last token boundary that
+        # decodes cleanly instead.
+        while finish == "length" and body and text.endswith("\ufffd"):
+            body = body[:-1]
+            text = self.tokenizer.decode(body, skip_special_tokens=True)
+        return text
 
 
 def resolve_batching(batching: str, device) -> str:
@@ -784,18 +818,64 @@ class _RequestFailed(Exception):
         self.kind = kind
 
 
+class _Malformed(Exception):
+    """A 200 answer that is not a chat completion this run can store."""
+
+
+def _read_answer(resp, url: str) -> tuple[str, str | None, str | None, int | None]:
+    """(content, reasoning, finish_reason, completion_tokens) of a chat completion, every field checked: the client
+    builds its response objects without validating them, so a server's list or number where text belongs would
+    otherwise travel on into the conversation (or kill the worker that reads it)."""
+    def bad(why):
+        raise _Malformed(f"{url}: malformed answer: {why}")
+    choices = getattr(resp, "choices", None)
+    if not isinstance(choices, list) or not choices:
+        bad(f"no choices (got {type(choices).__name__})")
+    choice = choices[0]
+    message = getattr(choice, "message", None)
+    if message is None:
+        bad("a choice without a message")
+    content = getattr(message, "content", None)
+    if content is not None and not isinstance(content, str):
+        bad(f"message content is a {type(content).__name__}, not text")
+    finish = getattr(choice, "finish_reason", None)
+    if finish is not None and not isinstance(finish, str):
+        bad(f"finish_reason is a {type(finish).__name__}")
+    usage = getattr(resp, "usage", None)
+    n = getattr(usage, "completion_tokens", None) if usage is not None else None
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        bad(f"usage.completion_tokens is {n!r}, not a count")
+    reasoning = _reasoning_of(message)
+    if content and finish == "length":  # cut inside a multi-byte character: keep the text before it
+        content = content.rstrip("\ufffd")
+    return content or "", reasoning, finish, n
+
+
 def _api_key(cfg: RegenConfig) -> str:
     return cfg.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
 
 
 def probe_servers(cfg: RegenConfig) -> tuple[list[str], str]:
-    """GET /models on every server: (the answering URLs, the model name). ServerError when none answers."""
-    from openai import OpenAI
+    """GET /models on every server: (the answering URLs, the model name). ServerError when none answers. Each probe
+    is bounded as a whole (min(--timeout, 30) s), so a server that trickles its answer cannot hold the start."""
+    from openai import AsyncOpenAI
+    limit = min(cfg.timeout, 30.0)
+
+    async def models_of(url: str) -> list[str]:
+        async with AsyncOpenAI(base_url=url, api_key=_api_key(cfg), max_retries=1, timeout=limit) as c:
+            page = await asyncio.wait_for(c.models.list(), timeout=limit)
+        ids = [getattr(m, "id", None) for m in (getattr(page, "data", None) or [])]
+        if not all(isinstance(i, str) for i in ids):
+            raise _Malformed(f"model ids that are not text: {ids!r}")
+        return ids
+
     alive, models, why = [], {}, []
     for url in cfg.servers:
         try:
-            with OpenAI(base_url=url, api_key=_api_key(cfg), max_retries=1, timeout=min(cfg.timeout, 30.0)) as c:
-                ids = [m.id for m in c.models.list().data]
+            ids = asyncio.run(models_of(url))
+        except asyncio.TimeoutError:
+            why.append(f"{url}: no whole answer within {limit:g} s")
+            continue
         except Exception as e:  # noqa: BLE001 - whatever it is, this server is not usable
             why.append(f"{url}: {type(e).__name__}: {e}")
             continue
@@ -832,13 +912,18 @@ async def _request(client, url: str, cfg: RegenConfig, model: str, messages: lis
         if attempt:
             await asyncio.sleep(cfg.retry_backoff * 2 ** (attempt - 1))
         try:
-            return await client.chat.completions.create(
+            # wait_for bounds the WHOLE request: the client's own timeout is per read, so a server trickling a
+            # byte a second would keep one request alive for ever
+            resp = await asyncio.wait_for(client.chat.completions.create(
                 model=model, messages=messages, temperature=cfg.temperature, top_p=cfg.top_p,
                 max_tokens=cfg.max_new_tokens, seed=seed, timeout=cfg.timeout,
                 extra_body={"chat_template_kwargs": template_kwargs(cfg.reasoning)} if cfg.reasoning == "disable"
-                else None)
-        except openai.APITimeoutError:
-            last = ("timeout", f"no answer within --timeout {cfg.timeout:g} s")
+                else None), timeout=cfg.timeout)
+            return _read_answer(resp, url)
+        except (openai.APITimeoutError, asyncio.TimeoutError):
+            last = ("timeout", f"no whole answer within --timeout {cfg.timeout:g} s")
+        except _Malformed as e:  # a proxy's or a server's glitch may pass: retried like a 5xx
+            last = ("malformed", str(e))
         except openai.APIConnectionError as e:
             last = ("connection", f"{type(e).__name__}: {e.__cause__ or e}")
         except openai.APIStatusError as e:
@@ -848,6 +933,8 @@ async def _request(client, url: str, cfg: RegenConfig, model: str, messages: lis
             last = ("status", text)
         except openai.APIError as e:  # an answer the client cannot read
             last = ("status", f"{type(e).__name__}: {e}")
+        except ValueError as e:  # a body that is not JSON (json.JSONDecodeError), as the client raises it
+            last = ("malformed", f"{url}: an answer that is not JSON ({type(e).__name__}: {str(e)[:200]})")
     if last[0] == "connection":
         raise _ServerDown(f"{url}: {last[1]}")
     raise _RequestFailed("server", f"{url}: {last[1]} ({cfg.retries + 1} attempts)")
@@ -858,20 +945,15 @@ async def _converse(client, url: str, cfg: RegenConfig, model: str, item: Item) 
     conv, tokens = Progress(item), 0
     while (history := conv.next_prompt()) is not None:
         try:
-            resp = await _request(client, url, cfg, model, history, derive_seed(cfg.seed, item.sample_index,
-                                                                                 conv.turn))
-            choice = resp.choices[0]
+            content, reasoning, finish, n = await _request(client, url, cfg, model, history,
+                                                           derive_seed(cfg.seed, item.sample_index, conv.turn))
         except _RequestFailed as e:
             return error_record(item, conv.turn, e.kind, str(e)), tokens
-        except (IndexError, TypeError, AttributeError):
-            return error_record(item, conv.turn, "server", f"{url}: an answer without choices"), tokens
-        n = getattr(resp.usage, "completion_tokens", None) if resp.usage is not None else None
         tokens += n or 0
-        msg, why = answer_message(choice.message.content, _reasoning_of(choice.message), cfg.reasoning,
-                                  choice.finish_reason)
+        msg, why = answer_message(content, reasoning, cfg.reasoning, finish)
         if msg is None:
             return error_record(item, conv.turn, "answer", why), tokens
-        conv.answer(msg, choice.finish_reason, n)
+        conv.answer(msg, finish, n)
     return conv.record(), tokens
 
 
@@ -902,6 +984,9 @@ async def _serve(cfg: RegenConfig, urls: list[str], model: str, items: list[Item
                 if len(down) == len(urls):
                     all_down.set()
                 return
+            except Exception as e:  # noqa: BLE001 - whatever broke, it is this conversation's error, and the
+                # worker lives on: a dead worker leaves queue.join() waiting for ever
+                rec, tokens = error_record(item, 0, "server", f"{url}: {type(e).__name__}: {str(e)[:300]}"), 0
             finally:
                 queue.task_done()
             on_result(rec, tokens)
@@ -981,6 +1066,16 @@ def _validate(cfg: RegenConfig) -> None:
             raise ValueError("--engine hf needs --target DIR")
     if cfg.reasoning not in REASONING_MODES:
         raise ValueError(f"--reasoning {cfg.reasoning!r}: choose one of {', '.join(REASONING_MODES)}")
+    import math
+    for name, positive in (("timeout", True), ("retry_backoff", False)):
+        v = getattr(cfg, name)
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and (v > 0 if positive else v >= 0)):
+            raise ValueError(f"--{name.replace('_', '-')} {v!r} must be a finite number of seconds "
+                             f"{'> 0' if positive else '>= 0'}")
+    if not (isinstance(cfg.retries, int) and cfg.retries >= 0):
+        raise ValueError(f"--retries {cfg.retries!r} must be >= 0")
+    if not (isinstance(cfg.max_error_rate, (int, float)) and 0 <= cfg.max_error_rate <= 1):
+        raise ValueError(f"--max-error-rate {cfg.max_error_rate!r} must be in [0, 1]")
     if not cfg.temperature >= 0:
         raise ValueError(f"--temperature {cfg.temperature} must be >= 0 (0 = greedy)")
     if not 0 < cfg.top_p <= 1:
@@ -1087,10 +1182,23 @@ def run_regenerate(cfg: RegenConfig) -> dict:
     return record
 
 
+def _over_error_rate(convs: int, errors: int, max_rate: float) -> bool:
+    """Every attempted conversation failed, or more than max_rate of them."""
+    return errors > 0 and (convs == 0 or errors / (convs + errors) > max_rate)
+
+
 def check_record(record: dict) -> str | None:
-    """What the CLI reports as a failure (non-zero exit): servers that stopped answering, or server errors left."""
+    """What the CLI reports as a failure (non-zero exit): servers that stopped answering, too many failed
+    conversations (every one, or over --max-error-rate), or server errors left."""
     down = record.get("servers_down")
     c = record["counts"]
+    rate = record.get("max_error_rate", 1.0)
+    if not down and _over_error_rate(c["conversations"], c["errors"], rate):
+        kinds = ", ".join(f"{n} {k}" for k, n in record["errors"].items())
+        share = c["errors"] / (c["conversations"] + c["errors"])
+        return (f"{c['errors']} of {c['conversations'] + c['errors']} conversations failed ({share:.0%}; "
+                f"--max-error-rate {rate:g}): {kinds}; see {ERRORS} for each one's reason. The answers kept are "
+                "in place; fix the cause (model name, server, prompts) and rerun the same command to retry them")
     if down:
         return ("every server stopped answering:\n  " + "\n  ".join(down.values())
                 + f"\n{c['conversations']} conversations are written; {c['pending']} are not done. Restart the "

@@ -344,7 +344,8 @@ def test_hf_reasoning_modes(think_target, tmp_path):
     errors = read_jsonl(tmp_path / "short" / ERRORS)
     assert [(e["sample_index"], e["turn"], e["kind"], e["error"]) for e in errors] == [
         (i, 0, "answer", "nothing left after removing the reasoning (finish_reason length)") for i in (0, 1)]
-    assert rec["counts"]["conversations"] == 0 and rec["status"] == "complete"
+    # every answer unusable: the run failed (issue 30: it used to say 'complete' and exit 0)
+    assert rec["counts"]["conversations"] == 0 and rec["status"] == "failed"
     # ... which the deterministic hf engine does not regenerate on a rerun
     again = regen(data, tmp_path / "short", think_target, reasoning="strip", max_new_tokens=3)
     assert again["this_run"]["generated_tokens"] == 0 and read_jsonl(tmp_path / "short" / ERRORS) == errors
@@ -504,14 +505,14 @@ def test_server_that_always_fails(chats, tmp_path):
         r = cli("--data", chats, "--out", tmp_path / "out", "--server", url, "--retries", 1, "--retry-backoff", 0.05,
                 "--num-samples", 3, "--concurrency", 2)
         requests = server_requests(url)
-    assert r.returncode == 1 and "3 conversations failed on the server after their retries" in r.stderr
+    assert r.returncode == 1 and "3 of 3 conversations failed (100%" in r.stderr and "3 server" in r.stderr
     errors = read_jsonl(tmp_path / "out" / ERRORS)
     assert [(e["sample_index"], e["kind"], e["turn"]) for e in errors] == [(0, "server", 0), (1, "server", 0),
                                                                             (2, "server", 0)]
     assert all("HTTP 500" in e["error"] and url in e["error"] and "(2 attempts)" in e["error"] for e in errors)
     assert len(requests) == 6 and read_jsonl(tmp_path / "out" / CONVERSATIONS) == []
     rec = json.load(open(tmp_path / "out" / RECORD_FILE))
-    assert rec["status"] == "incomplete" and rec["errors"] == {"server": 3}
+    assert rec["status"] == "failed" and rec["errors"] == {"server": 3}
     with fake_server() as url:  # the server is fixed: a rerun fills the errors in
         r = cli("--data", chats, "--out", tmp_path / "out", "--server", url, "--num-samples", 3)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -526,9 +527,9 @@ def test_server_that_hangs_times_out(chats, tmp_path):
     assert time.time() - t0 < 30
     errors = read_jsonl(tmp_path / "out" / ERRORS)
     assert [e["sample_index"] for e in errors] == [0, 1]
-    assert all(e["kind"] == "server" and "no answer within --timeout 0.5 s (2 attempts)" in e["error"]
+    assert all(e["kind"] == "server" and "no whole answer within --timeout 0.5 s (2 attempts)" in e["error"]
                for e in errors)
-    assert rec["status"] == "incomplete"
+    assert rec["status"] == "failed"  # every conversation failed
 
 
 def test_empty_answers_are_errors_not_conversations(chats, tmp_path):
@@ -537,7 +538,7 @@ def test_empty_answers_are_errors_not_conversations(chats, tmp_path):
     assert read_jsonl(tmp_path / "out" / CONVERSATIONS) == []
     errors = read_jsonl(tmp_path / "out" / ERRORS)
     assert [(e["kind"], e["error"]) for e in errors] == [("answer", "empty answer (finish_reason stop)")] * 3
-    assert rec["status"] == "complete" and rec["counts"]["conversations"] == 0
+    assert rec["status"] == "failed" and rec["counts"]["conversations"] == 0  # all failed: not complete
 
 
 def test_no_server_is_a_clear_error_at_start(chats, tmp_path):
