@@ -102,7 +102,10 @@ variants)  # issue 29's rows: the base quickstart (EAGLE-3) and each of VARIANTS
   fi
   end=$((SECONDS + ${WAIT_S:-540}))
   while [ ! -f /root/qout/ALL.done ] && [ $SECONDS -lt $end ]; do sleep 15; done
-  for m in $Q*/run/metrics.jsonl; do echo "$m: $(grep -c . $m) records; last: $(tail -1 $m | cut -c1-300)"; done
+  for m in $Q*/run/metrics.jsonl; do
+    echo "$m: $(grep -c . $m) records; last: $(tail -1 $m | cut -c1-300)"
+    d=$(dirname $(dirname $m)); cp $m /root/qout/$(basename $d)_metrics.jsonl
+  done
   [ -f /root/qout/ALL.done ] && echo "all done" || echo "still running: rerun this mode"
   tail -5 /root/qjob.log
   tar czf $OUT/quality_variants.tgz -C /root/qout . ;;

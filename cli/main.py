@@ -368,12 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None, help="default: the example training preset's")
     p.add_argument("--drafter", default=None,
                    help="train: a configs/drafters preset (default: the example training preset's, smollm2-135m)")
-    for option, what in (("fc-norm", "EAGLE-3.1: one RMSNorm per captured state before fc"),
-                         ("norm-before-fc", "one RMSNorm over the concatenated captured states before fc"),
-                         ("norm-output", "EAGLE-3.1: lm_head reads, and the next draft step receives, the post-norm "
-                                         "hidden")):
+    for option, what, default in (("fc-norm", "EAGLE-3.1: one RMSNorm per captured state before fc", "on"),
+                                  ("norm-before-fc", "one RMSNorm over the concatenated captured states before fc",
+                                   "off"),
+                                  ("norm-output", "EAGLE-3.1: lm_head reads, and the next draft step receives, the "
+                                                  "post-norm hidden", "on")):
         p.add_argument(f"--{option}", action=argparse.BooleanOptionalAction, default=None,
-                       help=f"train: {what} (default: the drafter preset's, off for the example's)")
+                       help=f"train: {what} (default: {default}, the example training preset's)")
     p.add_argument("--ttt-steps", type=int, default=None,
                    help="training-time-test unroll (default: --draft-steps on a CPU, the preset's on a GPU)")
     p.add_argument("--draft-steps", type=int, default=q.draft_steps, help="chain length in the eval")

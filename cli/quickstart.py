@@ -200,6 +200,8 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     for option in OPTIONS:
         if getattr(q, option) is not None:
             fields[option] = getattr(q, option)
+    if q.norm_before_fc and q.fc_norm is None:  # exclusive with the example preset's fc_norm: asking for one is
+        fields["fc_norm"] = False                # asking for it instead of the other
     fields["ttt_steps"] = q.ttt_steps or (fields.get("ttt_steps", 7) if on_gpu else q.draft_steps)
     if fields["resume"]:
         print("[quickstart] a training run is already there; resuming it (nothing left to do if done)",

@@ -22,7 +22,8 @@ Output (--out):
   error kind ``server``: the request failed after its retries, or the server's answer was malformed (not JSON, no
   message, content that is not text, a token count that is not a number) through its retries (a rerun may
   succeed); ``answer``: the target's answer is unusable (empty, or the prompt does not fit the context) or the
-  server rejected the request (HTTP 4xx);
+  server rejected the request (HTTP 4xx); ``too_long``: the prompt (with its answer budget) does not fit
+  --max-prompt-tokens or the context, a property of the data (never retried, not counted as a failure);
 * ``regenerate.json``: target identity (the hashes the dump manifest records), backend, model, sampling,
   reasoning mode, inputs with sha256, counts, finish reasons, elapsed time, and a status: ``complete``,
   ``incomplete`` (server errors or pending conversations: rerun) or ``failed`` (every attempted conversation, or
@@ -417,7 +418,8 @@ def _prepare_out(cfg: RegenConfig, current: dict, skipped: list[dict]) -> set[in
             if dropped:
                 print(f"[regenerate] {path}: dropped a cut-off last line ({dropped} bytes)", file=sys.stderr)
             for si, line in _read_lines(path):
-                if name == CONVERSATIONS or (cfg.backend == "hf" and json.loads(line)["kind"] == "answer"):
+                kind = json.loads(line)["kind"] if name == ERRORS else None
+                if name == CONVERSATIONS or kind == "too_long" or (cfg.backend == "hf" and kind == "answer"):
                     done.add(si)
     # Skipped conversations follow from the input alone: rewritten whole, merged with earlier runs' (num_samples).
     old = dict(_read_lines(os.path.join(cfg.out, SKIPPED)))
@@ -498,7 +500,8 @@ def build_record(cfg: RegenConfig, *, target: dict | None, tokenizer: dict | Non
     record = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         # incomplete: a rerun has work to do (conversations not attempted, or failed on the server)
-        "status": ("failed" if _over_error_rate(len(convs), len(errors), cfg.max_error_rate)
+        "status": ("failed" if _over_error_rate(len(convs), sum(e["kind"] != "too_long" for e in errors),
+                                                cfg.max_error_rate)
                    else "complete" if not pending and not any(e["kind"] == "server" for e in errors)
                    else "incomplete"),
         "max_error_rate": cfg.max_error_rate,
@@ -726,10 +729,10 @@ def regenerate_batch(engine: HFEngine, batch: list[Item], cfg: RegenConfig, on_t
                 r.fail("answer", f"the chat template failed: {type(e).__name__}: {e}")
                 continue
             if cfg.max_prompt_tokens and len(ids) > cfg.max_prompt_tokens:
-                r.fail("answer", f"prompt of {len(ids)} tokens exceeds --max-prompt-tokens {cfg.max_prompt_tokens}")
+                r.fail("too_long", f"prompt of {len(ids)} tokens exceeds --max-prompt-tokens {cfg.max_prompt_tokens}")
                 continue
             if engine.max_positions and len(ids) + cfg.max_new_tokens > engine.max_positions:
-                r.fail("answer", f"prompt of {len(ids)} tokens + --max-new-tokens {cfg.max_new_tokens} exceeds the "
+                r.fail("too_long", f"prompt of {len(ids)} tokens + --max-new-tokens {cfg.max_new_tokens} exceeds the "
                                  f"target's {engine.max_positions} positions")
                 continue
             active.append(r)
@@ -1183,7 +1186,8 @@ def run_regenerate(cfg: RegenConfig) -> dict:
 
 
 def _over_error_rate(convs: int, errors: int, max_rate: float) -> bool:
-    """Every attempted conversation failed, or more than max_rate of them."""
+    """Every attempted conversation failed, or more than max_rate of them (errors: the failed ones, prompts too long
+    for the context left out: those are the data's, not the run's)."""
     return errors > 0 and (convs == 0 or errors / (convs + errors) > max_rate)
 
 
@@ -1193,10 +1197,11 @@ def check_record(record: dict) -> str | None:
     down = record.get("servers_down")
     c = record["counts"]
     rate = record.get("max_error_rate", 1.0)
-    if not down and _over_error_rate(c["conversations"], c["errors"], rate):
-        kinds = ", ".join(f"{n} {k}" for k, n in record["errors"].items())
-        share = c["errors"] / (c["conversations"] + c["errors"])
-        return (f"{c['errors']} of {c['conversations'] + c['errors']} conversations failed ({share:.0%}; "
+    failed = sum(n for k, n in record["errors"].items() if k != "too_long")
+    if not down and _over_error_rate(c["conversations"], failed, rate):
+        kinds = ", ".join(f"{n} {k}" for k, n in record["errors"].items() if k != "too_long")
+        share = failed / (c["conversations"] + failed)
+        return (f"{failed} of {c['conversations'] + failed} conversations failed ({share:.0%}; "
                 f"--max-error-rate {rate:g}): {kinds}; see {ERRORS} for each one's reason. The answers kept are "
                 "in place; fix the cause (model name, server, prompts) and rerun the same command to retry them")
     if down:

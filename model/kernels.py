@@ -4,9 +4,8 @@ on the CPU; bench/train_step.py on the GPU), but saves fewer activations and syn
 
 * `rms_norm`: saves the input and one fp32 rstd per row (the plain module keeps two fp32 copies of the input).
 * `silu_mul`: silu(gate) * up from the fused [.., 2I] gate_up output, saving only that output.
-* `causal_plus_diagonal`: TTT attention (docs/contract.md §9) as one fused causal-attention call (cuDNN,
-  FlashAttention-2 or, where values are narrower than keys, the memory-efficient kernel on CUDA; torch's flash
-  kernel on the CPU) over the step-0 keys plus the diagonal keys merged by
+* `causal_plus_diagonal`: TTT attention (docs/contract.md §9) as one fused causal-attention call (cuDNN or
+  FlashAttention-2 on CUDA, or the memory-efficient kernel where pinned; torch's flash kernel on the CPU) over the step-0 keys plus the diagonal keys merged by
   log-sum-exp. Backward re-uses the fused kernel's own backward: called with the MERGED output and MERGED
   log-sum-exp, it yields exactly the step-0 keys' share of the gradient (the kernel uses `out` only for
   D = rowsum(dO * out) and `lse` only to rebuild P, and both are the full softmax's), so no [T, (1+j)T] mask and no
@@ -154,11 +153,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # Which CUDA kernel computes the causal block. 'cudnn' is cuDNN's fused attention (the kernel plain SDPA itself
 # picks on Hopper); 'flash' is PyTorch's FlashAttention-2 build; 'efficient' is PyTorch's memory-efficient (CUTLASS)
-# kernel. All return the log-sum-exp the merge needs and take the merged out/lse in backward (their backward passes
-# use `out` only for rowsum(dO * out) and `lse` only to rebuild P). 'auto' takes cuDNN on sm90/sm100 for head_dim
-# <= 128 (where its backward is supported), the memory-efficient kernel where values are narrower than keys (the MLA
-# drafter: 192 against 128; it takes both widths as they are, where FA2 needs the values zero-padded to 192 and ran
-# 2.1x slower at 32,768 tokens on an H100, bench/RESULTS.md), else flash. Deterministic runs get flash.
+# kernel, which takes values narrower than keys as they are. All return the log-sum-exp the merge needs and take the
+# merged out/lse in backward (their backward passes use `out` only for rowsum(dO * out) and `lse` only to rebuild P).
+# 'auto' takes cuDNN on sm90/sm100 for head_dim <= 128 (where its backward is supported), else flash -- also for the
+# MLA drafter (keys 192, values 128, zero-padded to 192 for FA2): in the whole training step on an H200 the
+# memory-efficient kernel was 2.8x slower than FA2 on padded values at 32,768 tokens (12.1 s against 4.3 s) and 1.4x
+# at 4,096 (bench/RESULTS.md), though the attention block alone had timed the other way. Deterministic runs get flash.
 CUDA_ATTENTION_KERNELS = ("auto", "cudnn", "flash", "efficient")
 CUDNN_MAX_HEAD_DIM = 128
 _cuda_attention = "auto"
@@ -180,10 +180,8 @@ def cuda_attention_kernel(q: torch.Tensor, v_dim: int | None = None) -> str:
                          "where cuDNN has no attention backward; use 'auto', 'flash' or 'efficient'")
     if _cuda_attention != "auto":
         return _cuda_attention
-    if torch.are_deterministic_algorithms_enabled():  # cuDNN's and the memory-efficient backward are not
+    if torch.are_deterministic_algorithms_enabled():  # cuDNN's attention backward is not
         return "flash"
-    if v_dim is not None and v_dim != q.shape[-1]:
-        return "efficient"
     # Hopper and datacenter Blackwell only (sm_90 / sm_100): the parts cuDNN's fused attention is tuned for and
     # PyTorch's SDPA itself prefers it on.
     cudnn_ok = (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()
@@ -290,9 +288,9 @@ def _block_forward(q, k, v, scale, causal: bool):
     kernel is `cuda_attention_kernel`'s; cuDNN for a prefix block only when its keys come in a multiple of
     CUDNN_T_MULTIPLE (sequence_pieces_loss cuts its pieces so; at 131,072 tokens in pieces that block is most of the
     attention), else FA2 (or the CPU flash kernel).
-    Values narrower than the keys (MLA: 128 against 192) go to the memory-efficient kernel as they are on CUDA; for
-    the flash kernels (CPU, deterministic runs, 'flash' pinned) they are zero-padded to the key width, the kernels
-    taking one head width: the padded output columns are zero and are dropped."""
+    Values narrower than the keys (MLA: 128 against 192) are zero-padded to the key width for the flash kernels
+    (CUDA and CPU), which take one head width: the padded output columns are zero and are dropped. The
+    memory-efficient kernel ('efficient' pinned) takes them as they are."""
     dv = v.shape[-1]
     kernel = cuda_attention_kernel(q, dv) if q.is_cuda else "cpu"
     if kernel == "efficient":

@@ -331,12 +331,12 @@ def test_full_vocab_drafter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run on the device by bench/mla_step.sh)")
 @pytest.mark.parametrize("case", ["mla+fc_norm+norm_output", "llama+fc_norm+norm_output"])
 def test_cuda_fast_path_matches_float64(case):
-    """The CUDA kernels (the memory-efficient kernel with values narrower than keys for MLA; cuDNN or FA2 for Llama) in
+    """The CUDA kernels ('auto': FA2 with values zero-padded to the key width for MLA; cuDNN or FA2 for Llama) in
     bf16: outputs and gradients against the float64 plain path on the CPU, no further off than the plain bf16 path
     on the same GPU."""
     import copy
     cfg = dict(CASES[case], hidden_size=256, intermediate_size=512, target_hidden_size=256)
-    if cfg["layout"] == "mla":
+    if cfg.get("layout") == "mla":
         cfg.update(qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, kv_lora_rank=64, q_lora_rank=96)
     else:
         cfg.update(head_dim=64)

@@ -189,7 +189,7 @@ def cuda_kernel(request):
                                           (64, 6, 1024, 128, 128), (64, 3, 300, 192, 128), (64, 6, 1024, 192, 128)])
 def test_cuda_causal_plus_diagonal_matches_float64_dense(cuda_kernel, nkv, j, T, d, dv):
     """Each CUDA kernel at the Kimi head shapes (Llama layout 128; MLA: q/k 192, v 128: the values padded to the key
-    width for flash, as they are for the memory-efficient kernel, which 'auto' picks there): bf16 output and gradients against the float64 dense mask on the CPU, within bf16
+    width for flash, which 'auto' picks there, as they are for the memory-efficient kernel): bf16 output and gradients against the float64 dense mask on the CPU, within bf16
     rounding. A wrong log-sum-exp convention or layout in the merge fails here, and so does cuDNN's T padding (300
     and 37 are padded to 384 and 128; 1024 is not)."""
     if cuda_kernel == "cudnn" and torch.cuda.get_device_capability() < (9, 0):
@@ -234,12 +234,10 @@ def test_cuda_auto_kernel_rule():
     assert kernels.cuda_attention_kernel(q) == ("cudnn" if hopper else "flash")
     assert kernels.cuda_attention_kernel(torch.empty(1, 1, 1, 256, device="cuda")) == "flash"
     mla_q = torch.empty(1, 1, 1, 192, device="cuda")
-    assert kernels.cuda_attention_kernel(mla_q, 128) == "efficient"   # values narrower than keys
-    assert kernels.cuda_attention_kernel(mla_q, 192) == "flash"
+    assert kernels.cuda_attention_kernel(mla_q, 128) == "flash"   # values padded: faster in the step (RESULTS.md)
     torch.use_deterministic_algorithms(True)
-    try:  # cuDNN's and the memory-efficient attention backward are not deterministic
+    try:  # cuDNN's attention backward is not deterministic
         assert kernels.cuda_attention_kernel(q) == "flash"
-        assert kernels.cuda_attention_kernel(mla_q, 128) == "flash"
     finally:
         torch.use_deterministic_algorithms(False)
 

@@ -483,12 +483,16 @@ def test_max_turns_and_max_prompt_tokens(word_target, chats, tmp_path):
     rec = regen(chats, tmp_path / "short", word_target, max_prompt_tokens=limit)
     errors = read_jsonl(tmp_path / "short" / ERRORS)
     too_long = [e for e in errors if "exceeds --max-prompt-tokens" in e["error"]]
-    assert len(too_long) >= len(first) // 2 - 1 and all(e["kind"] == "answer" for e in too_long)
+    assert len(too_long) >= len(first) // 2 - 1 and all(e["kind"] == "too_long" for e in too_long)
     for c in read_jsonl(tmp_path / "short" / CONVERSATIONS):  # every prompt that was answered fits
         for k, m in enumerate(c["messages"]):
             if m["role"] == "assistant":
                 assert prompt_len(c["messages"][:k]) <= limit
     assert rec["counts"]["conversations"] + rec["counts"]["errors"] == len(items)
+    # prompts too long are the data's, not failures of the run: about half of them here, and the run is complete
+    # (with the default --max-error-rate 0.1 it would otherwise have failed)
+    from eagle3.dump.regenerate import check_record
+    assert rec["status"] == "complete" and check_record(rec) is None
 
 
 def test_server_retries_transient_errors(chats, tmp_path):
