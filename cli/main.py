@@ -13,8 +13,9 @@ EXAMPLE = "example"
 
 def _add_trust_remote_code(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
-                   help="run the tokenizer code the target ships (tokenizer_config.json auto_map, e.g. Kimi-K2.5's "
-                        "tokenization_kimi.py), as the serving engine's --trust-remote-code does; refused otherwise")
+                   help="run the tokenizer code the target ships: the module tokenizer_config.json's auto_map names "
+                        "(e.g. Kimi-K2.5's tokenization_kimi.py) and what it imports, nothing else (no configuration "
+                        "or modeling code: the target loads through transformers' own classes); refused otherwise")
 
 
 def _add_full_weights_digest(p) -> None:
@@ -120,8 +121,9 @@ def _add_regenerate(p: argparse.ArgumentParser) -> None:
                           "optional local copy of the served model's config + tokenizer, recorded as the target "
                           "identity the dump checks (without it the identity is null)")
     src.add_argument("--trust-remote-code", action="store_true",
-                     help="run the tokenizer code the target ships (tokenizer_config.json auto_map, e.g. Kimi-K2.5's "
-                          "tokenization_kimi.py); refused otherwise. Recorded in regenerate.json")
+                     help="run the tokenizer code the target ships: the module tokenizer_config.json's auto_map "
+                          "names (e.g. Kimi-K2.5's tokenization_kimi.py) and what it imports, nothing else; refused "
+                          "otherwise. Recorded in regenerate.json")
     _add_full_weights_digest(src)
     src.add_argument("--max-error-rate", type=float, default=d.max_error_rate,
                      help="the run ends non-zero when more than this share of its conversations failed (every "
@@ -410,13 +412,30 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, process_entry: bool | None = None) -> None:
+    """The `eagle3` command. process_entry (default: argv not given, i.e. the console script or `python -m`):
+    this call is the process's whole life, so an error also leaves the torch.distributed group it joined; a
+    library caller (tests, a notebook) keeps its group."""
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except (ContractError, ValueError, FileNotFoundError) as e:
+    except (ContractError, ValueError, FileNotFoundError, FloatingPointError) as e:
         print(f"eagle3 {args.cmd}: error: {e}", file=sys.stderr)
+        if process_entry if process_entry is not None else argv is None:
+            _close_process_group()
         raise SystemExit(2)
+
+
+def _close_process_group() -> None:
+    """A job that failed after joining a torch.distributed group leaves it cleanly: interpreter exit with a live
+    gloo/NCCL group (and its C++ threads) ended some failed runs with "terminate called without an active
+    exception" and rc 134 instead of the error's own exit code."""
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the error already printed is the one that matters
+        pass
 
 
 if __name__ == "__main__":

@@ -262,6 +262,37 @@ class DumpManifest:
         if d["format_version"] != m.format_version:
             raise ContractError(f"{source}: format version {d['format_version']} with storage {m.storage!r} "
                                 f"(that storage is written as version {m.format_version}): a malformed manifest")
+        def typed(where, value, types, optional=False):
+            if (value is None and optional) or (isinstance(value, types) and not isinstance(value, bool)):
+                return
+            raise ContractError(f"{source}: {where} is {value!r}, expected "
+                                f"{' or '.join(t.__name__ for t in types)}{' or null' if optional else ''}")
+        for i, sh in enumerate(m.shards):
+            typed(f"shards[{i}].file", sh.file, (str,))
+            typed(f"shards[{i}].sha256", sh.sha256, (str,))
+            for k in ("samples", "tokens", "bytes"):
+                typed(f"shards[{i}].{k}", getattr(sh, k), (int,))
+        for k in ("tp_size", "dp_size"):
+            typed(k, getattr(m, k), (int,))
+        typed("max_length", m.max_length, (int,), optional=True)
+        typed("dtype", m.dtype, (str,))
+        for k in ("num_hidden_layers", "hidden_size", "vocab_size"):
+            typed(f"target.{k}", getattr(m.target, k), (int,))
+        for k in ("config_sha256", "architecture", "weights_sha256"):
+            typed(f"target.{k}", getattr(m.target, k), (str,))
+        if not isinstance(m.capture.hidden_state_indices, list) or not all(
+                isinstance(k, int) and not isinstance(k, bool) for k in m.capture.hidden_state_indices):
+            raise ContractError(f"{source}: capture.hidden_state_indices {m.capture.hidden_state_indices!r} is not a "
+                                "list of integers")
+        for sh in m.shards:  # shards live in the dump directory itself: nothing is read from elsewhere
+            if not isinstance(sh.file, str) or sh.file in ("", ".", "..") or "/" in sh.file or "\\" in sh.file:
+                raise ContractError(f"{source}: shard file {sh.file!r} is not a file name inside the dump directory")
+        if "totals" in d and d["totals"] != m.totals:
+            diff = {k: (d["totals"].get(k) if isinstance(d["totals"], dict) else None, v)
+                    for k, v in m.totals.items()
+                    if not isinstance(d["totals"], dict) or d["totals"].get(k) != v}
+            raise ContractError(f"{source}: its totals disagree with its shard list (recorded, counted): {diff}; "
+                                "shards were removed from or added to the list")
         validate_indices(m.capture.hidden_state_indices, m.target.num_hidden_layers)
         if m.capture.hidden_state_indices != sorted(m.capture.hidden_state_indices):
             raise ContractError(f"{source}: capture indices are not ascending: {m.capture.hidden_state_indices}")
@@ -338,9 +369,18 @@ def load_manifest(dump_dir: str) -> DumpManifest:
     try:
         with open(path) as f:
             d = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ContractError(f"{path}: not valid JSON ({e})") from e
-    return DumpManifest.from_dict(d, source=path)
+    if not isinstance(d, dict):
+        raise ContractError(f"{path}: not a manifest (a JSON {type(d).__name__}, not an object)")
+    m = DumpManifest.from_dict(d, source=path)
+    import re
+    listed = {sh.file for sh in m.shards}
+    unlisted = sorted(f for f in os.listdir(dump_dir) if re.fullmatch(r"shard-\d{5}\.safetensors", f) and f not in listed)
+    if unlisted:
+        raise ContractError(f"{path}: the directory holds shards its manifest does not list ({', '.join(unlisted[:4])}"
+                            f"{' ...' if len(unlisted) > 4 else ''}): a manifest cut short, or shards of another dump")
+    return m
 
 
 def require_same_capture(a: dict, b: dict, what_a: str, what_b: str) -> None:

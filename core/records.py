@@ -18,7 +18,8 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from eagle3.contract import STANDARDIZE_VERSION, CaptureSpec, ContractError, TargetInfo, read_json
+from eagle3.contract import (STANDARDIZE_VERSION, CaptureSpec, ContractError, TargetInfo, canonical_json, read_json,
+                             sha256_bytes)
 
 # ------------------------------------------------------------------------------------------------ file names
 
@@ -132,6 +133,7 @@ _RUN = [("format", (str,), _REQUIRED), ("identity", (dict,), _REQUIRED), ("stand
         ("data_sha256", (str, None), None), ("dumps", (list,), []), ("resumes", (list,), [])]
 _RUN_ORDER = ["format", "identity", "capture", "target", "standardize", "vocab", "vocab_meta", "vocab_sha256",
               "drafter", "train", "world_size", "data_sha256", "dumps", "resumes"]
+MEANING_KEY = "eagle3_meaning_sha256"  # drafter.safetensors metadata: RunRecord.meaning_sha256() when it was saved
 
 
 @dataclass(kw_only=True)
@@ -158,6 +160,15 @@ class RunRecord:
         d = {k: copy.deepcopy(getattr(self, k)) for k in _RUN_ORDER}
         d["capture"], d["target"] = _capture_dict(self.capture), vars(self.target).copy()
         return {**d, **copy.deepcopy(self.extra)}
+
+    def meaning_sha256(self) -> str:
+        """sha256 of what a checkpoint's weights mean -- the identity and capture trained on, the target, the
+        drafter's config and the standardize version -- stored in the weights file's own metadata when it is
+        saved (MEANING_KEY), so that a record edited afterwards (other capture indices in run.json and
+        eagle3_checkpoint.json, say) no longer matches the weights it describes."""
+        return sha256_bytes(canonical_json({"identity": self.identity, "capture": _capture_dict(self.capture),
+                                            "target": vars(self.target), "drafter": self.drafter,
+                                            "standardize": self.standardize}))
 
     @staticmethod
     def _fields(d: dict, where: str) -> dict:

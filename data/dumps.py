@@ -72,10 +72,22 @@ class DumpSet:
             plans = set()
             for si, rec in enumerate(m.shards):
                 path = os.path.join(d, rec.file)
-                with safe_open(path, "pt") as f:
-                    offsets = f.get_tensor(C.SAMPLE_OFFSETS).tolist()
-                    index = f.get_tensor(C.SAMPLE_INDEX).tolist()
-                    plans.add(_check_shard(path, si, sorted(f.keys()), m, os.path.join(d, C.MANIFEST_FILE)))
+                # Without --verify's sha256 (--no-verify) a shard cut short or replaced is still named, not read
+                # into a traceback: its size is checked, and whatever safetensors cannot read is refused by name.
+                size = os.path.getsize(path) if os.path.isfile(path) else None
+                if size != rec.bytes:
+                    raise ContractError(f"{path}: {'missing' if size is None else f'{size:,} bytes'}, the manifest "
+                                        f"records {rec.bytes:,} (truncated, replaced or removed)")
+                try:
+                    with safe_open(path, "pt") as f:
+                        offsets = f.get_tensor(C.SAMPLE_OFFSETS).tolist()
+                        index = f.get_tensor(C.SAMPLE_INDEX).tolist()
+                        plans.add(_check_shard(path, si, sorted(f.keys()), m, os.path.join(d, C.MANIFEST_FILE)))
+                except ContractError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - safetensors' errors, a missing tensor: not a readable shard
+                    raise ContractError(f"{path}: not a readable dump shard ({type(e).__name__}: "
+                                        f"{str(e)[:200]})") from None
                 if len(index) != rec.samples or offsets[-1] != rec.tokens:
                     raise ContractError(f"{path}: holds {len(index)} samples / {offsets[-1]} tokens, the manifest "
                                         f"says {rec.samples} / {rec.tokens}")

@@ -80,6 +80,11 @@ def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
 
 def build_vocab(dumps: DumpSet, refs: list[SampleRef], n: int, progress: bool = False) -> dict:
     counts = count_tokens(dumps, refs, progress=progress)
+    if int(counts.sum()) == 0:  # a vocabulary of nothing, and a training run with nothing to learn
+        raise C.ContractError(f"{', '.join(dumps.dirs) if hasattr(dumps, 'dirs') else 'the dumps'}: no token of "
+                              f"the {len(refs)} samples counted is in the loss (every loss_mask is 0): nothing to "
+                              "build a draft vocabulary from or to train on; check the chat template's assistant "
+                              "spans (eagle3 inspect shows the dump's masks)")
     d2t, t2d = vocab_map(select_draft_vocab(counts, n), counts.numel())
     m = dumps.manifest
     meta = {"draft_vocab_size": n, "vocab_size": counts.numel(), "coverage": coverage(counts, t2d),
@@ -105,9 +110,25 @@ def save_vocab(path: str, vocab: dict) -> None:
 
 
 def load_vocab(path: str) -> dict:
-    with safe_open(path, "pt") as f:
-        meta = json.loads((f.metadata() or {}).get("eagle3_vocab", "{}"))
-        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    """d2t / t2d and their record from an `eagle3 vocab` file; a file that is not one (a pickle, a .jsonl, a
+    truncated or foreign safetensors file) is a ContractError naming it."""
+    from safetensors import SafetensorError
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such vocabulary file (eagle3 vocab --out)")
+    try:
+        with safe_open(path, "pt") as f:
+            meta = json.loads((f.metadata() or {}).get("eagle3_vocab", "{}"))
+            missing = [k for k in ("d2t", "t2d") if k not in f.keys()]
+            if missing:
+                raise C.ContractError(f"{path}: a safetensors file without {missing}: not an eagle3 vocabulary")
+            d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    except (SafetensorError, OSError, ValueError, UnicodeDecodeError) as e:
+        if isinstance(e, C.ContractError):
+            raise
+        raise C.ContractError(f"{path}: not a safetensors vocabulary file ({type(e).__name__}: {str(e)[:200]}); "
+                              "make one with `eagle3 vocab`") from None
+    if not isinstance(meta, dict):
+        raise C.ContractError(f"{path}: its eagle3_vocab record is not a JSON object")
     problem = vocab_map_problem(d2t, t2d)
     if problem:
         raise C.ContractError(f"{path}: {problem}")

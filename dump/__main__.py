@@ -4,4 +4,4 @@ import sys
 from eagle3.cli import main
 
 if __name__ == "__main__":
-    main(["dump", *sys.argv[1:]])
+    main(["dump", *sys.argv[1:]], process_entry=True)

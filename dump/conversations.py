@@ -188,9 +188,25 @@ def _iter_json_plain(path: str) -> Iterator[tuple[str, Any]]:
                 yield f"{path}:{lineno}", json.loads(raw.decode("utf-8"))
 
 
+_DIGESTS: dict = {}
+
+
+def _content_cache_dir(path: str) -> str:
+    """A `datasets` cache directory of this content: `datasets` keys its cache on a file's path, size and mtime, so a
+    file replaced by another of the same name and mtime (cp -p, rsync -a, tar) was served from the old cache while
+    the manifest recorded the new file's sha256. Keyed on the sha256 the manifest records, the cache can only hold
+    what is read now."""
+    import datasets
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _DIGESTS:  # once per file and process (data_sha256 reads it whole)
+        _DIGESTS[key] = data_sha256(path)
+    return os.path.join(datasets.config.HF_DATASETS_CACHE, "eagle3-by-content", _DIGESTS[key][:32])
+
+
 def _load_hf(kind: str, path: str):
     from datasets import load_dataset
-    return load_dataset(kind, data_files=path, split="train")
+    return load_dataset(kind, data_files=path, split="train", cache_dir=_content_cache_dir(path))
 
 
 def _load_dataset_dir(path: str):
@@ -201,7 +217,7 @@ def _load_dataset_dir(path: str):
     saved = any(os.path.isfile(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json"))
     how = "datasets.load_from_disk" if saved else "datasets.load_dataset"
     try:
-        ds = load_from_disk(path) if saved else load_dataset(path)
+        ds = load_from_disk(path) if saved else load_dataset(path, cache_dir=_content_cache_dir(path))
     except Exception as e:  # noqa: BLE001 - any reader failure is bad input
         raise DataError(f"{path}: cannot read it as a dataset directory with {how}: {type(e).__name__}: {e}") from e
     if isinstance(ds, DatasetDict):
@@ -229,6 +245,22 @@ def data_sha256(path: str) -> str:
                 full = os.path.join(root, name)
                 rows.append([os.path.relpath(full, path), file_sha256(full)])
     return sha256_bytes(canonical_json(rows))
+
+
+def check_distinct_data(paths, digests: list[str] | None = None) -> None:
+    """DataError when two --data entries are the same data (the same file twice, or two files of identical bytes):
+    each record would be read twice, and one copy may land in the held-out split while the other trains."""
+    paths = _as_path_list(paths)
+    digests = digests if digests is not None else [data_sha256(p) if os.path.exists(p) else None for p in paths]
+    seen: dict = {}
+    for p, h in zip(paths, digests):
+        if h is None:
+            continue
+        if h in seen:
+            same = os.path.realpath(seen[h]) == os.path.realpath(p)
+            raise DataError(f"--data gives {'the same file' if same else 'the same data'} twice: {seen[h]} and {p}"
+                            f"{'' if same else ' (identical bytes)'}; every record would be read twice")
+        seen[h] = p
 
 
 def resolve_data(entries) -> list[str]:
@@ -683,11 +715,13 @@ def render_and_mask(tokenizer, messages: list[dict], max_length: int | None, met
     return _render_and_mask(tokenizer, messages, max_length, method=method)
 
 
-def load_samples(paths, tokenizer, max_length=None, num_samples=None, progress=True, file_starts=None
-                 ) -> tuple[list[TokenizedSample], collections.Counter]:
+def load_samples(paths, tokenizer, max_length=None, num_samples=None, progress=True, file_starts=None,
+                 max_positions: int | None = None) -> tuple[list[TokenizedSample], collections.Counter]:
     """Read + tokenize. Returns the kept samples in source order and a Counter of skipped records by reason
-    (see SKIP_REASONS). num_samples caps the number of kept samples. DataError on malformed input.
-    file_starts: as in read_conversations (files never reached get no entry)."""
+    (see SKIP_REASONS). num_samples caps the number of kept samples. DataError on malformed input, and on a sample
+    (after the max_length cut) longer than max_positions (the target's max_position_embeddings: positions the
+    target never saw, whose states a drafter should not learn from). file_starts: as in read_conversations (files
+    never reached get no entry)."""
     from tqdm.auto import tqdm
 
     _check_tokenizer(tokenizer)
@@ -709,6 +743,10 @@ def load_samples(paths, tokenizer, max_length=None, num_samples=None, progress=T
                     first_detail[e.reason] = f"{origin}: {e}"
                     logger.debug("skipping %s: %s", origin, e)
                 continue
+            if max_positions is not None and len(input_ids) > max_positions:
+                raise DataError(f"{origin}: {len(input_ids):,} tokens, more than the target's "
+                                f"max_position_embeddings {max_positions:,}; pass --max-length {max_positions} (or "
+                                "less) to cut such samples there")
             samples.append(TokenizedSample(index, input_ids, loss_mask))
             bar.update(1)
             if sum(skipped.values()) and len(samples) % 256 == 0:

@@ -238,11 +238,12 @@ def _prepare_out_dir(out: str, manifest: DumpManifest, plan_hash: str, shard_met
 
 
 def run_dump(cfg: DumpConfig) -> DumpManifest:
-    from eagle3.dump.conversations import data_sha256, load_samples
+    from eagle3.dump.conversations import check_distinct_data, data_sha256, load_samples
 
     # Everything that can be refused is refused before the model loads (the arguments: DumpConfig itself).
     dtype = T.DTYPES[cfg.dtype]
     info = T.target_info(cfg.target, full_weights=cfg.full_weights_digest)
+    check_distinct_data(cfg.data)
     indices = C.validate_indices(cfg.layers if cfg.layers is not None
                                  else C.default_capture_indices(info.num_hidden_layers), info.num_hidden_layers)
     T.check_tp_divisibility(T.read_config(cfg.target), cfg.tp, f"{cfg.target}/config.json")
@@ -265,8 +266,10 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
         f"{C.describe(indices)} + post-norm final state; world {world.world_size} = dp {dp} x tp {tp}")
 
     file_starts: list[int] = []
+    max_positions = T.text_config_dict(T.read_config(cfg.target)).get("max_position_embeddings")
     samples, skipped = load_samples(cfg.data, tokenizer, max_length=cfg.max_length, num_samples=cfg.num_samples,
-                                    progress=cfg.progress and world.is_main, file_starts=file_starts)
+                                    progress=cfg.progress and world.is_main, file_starts=file_starts,
+                                    max_positions=max_positions if isinstance(max_positions, int) else None)
     # The data's bytes: a resumed run compares content, not only the lengths the plan hash covers (an edit in
     # place keeps them); and across dumps, (file sha256, record) names a sample (data.dumps refuses repeats).
     manifest.data_fingerprint = C.data_fingerprint(

@@ -1132,6 +1132,8 @@ def run_regenerate(cfg: RegenConfig) -> dict:
     from eagle3.dump.conversations import data_sha256  # a file or a dataset directory
     inputs = [{"file": os.path.abspath(p), "sha256": data_sha256(p) if os.path.exists(p) else None}
               for p in cfg.data]
+    from eagle3.dump.conversations import check_distinct_data
+    check_distinct_data(cfg.data, [i["sha256"] for i in inputs])
     items, skipped, read = read_items(cfg.data, cfg.num_samples, cfg.max_turns)
     if target is None:
         log("[regenerate] note: no --target: regenerate.json records no target identity, and the dump will refuse "
@@ -1274,4 +1276,4 @@ def data_sources(paths: list[str], target, tokenizer, allow_foreign: bool = Fals
 
 if __name__ == "__main__":
     from eagle3.cli import main
-    main(["regenerate", *sys.argv[1:]])
+    main(["regenerate", *sys.argv[1:]], process_entry=True)

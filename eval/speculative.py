@@ -146,8 +146,11 @@ def _first_user_turn(record, origin: str) -> str | None:
     return users[0]["content"] if users else None
 
 
-def read_prompts(path: str, tokenizer, num_prompts: int | None) -> list[list[int]]:
-    """One prompt per record (see _first_user_turn), rendered with the chat template and a generation prompt."""
+def read_prompts(path: str, tokenizer, num_prompts: int | None,
+                 max_tokens: int | None = None) -> list[list[int]]:
+    """One prompt per record (see _first_user_turn), rendered with the chat template and a generation prompt. A
+    prompt over max_tokens (what the target's positions leave after the answer and the draft) is refused by name:
+    the target would run past the positions it knows, for minutes at a 1M-token prompt."""
     from eagle3.dump.conversations import _iter_records  # the dump's reader: .jsonl/.json/.parquet, errors by line
     prompts = []
     for origin, record in _iter_records(path):
@@ -158,6 +161,11 @@ def read_prompts(path: str, tokenizer, num_prompts: int | None) -> list[list[int
                                             add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
+        if max_tokens is not None and len(ids) > max_tokens:
+            from eagle3.dump.conversations import DataError
+            raise DataError(f"{origin}: a prompt of {len(ids):,} tokens; the target's max_position_embeddings leave "
+                            f"{max_tokens:,} for a prompt with --max-new-tokens and the draft chain: shorten it or "
+                            "leave it out")
         prompts.append(list(ids))
         if num_prompts and len(prompts) >= num_prompts:
             break
@@ -216,6 +224,10 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     if drafter_for != info.hidden_size:  # fc would not fit the captured states
         raise ContractError(f"{export_dir}/config.json: target_hidden_size {drafter_for}, but the target "
                             f"{target_dir} has hidden_size {info.hidden_size}")
+    from eagle3.target.load import read_config, text_config_dict
+    max_pos = text_config_dict(read_config(target_dir)).get("max_position_embeddings")
+    prompts = read_prompts(prompts_file, tokenizer, num_prompts,  # before the target loads: bad input fails fast
+                           max_pos - max_new_tokens - draft_steps - 1 if isinstance(max_pos, int) else None)
     target = load_target(target_dir, tdtype, dev)
     backbone = find_backbone(target, info.num_hidden_layers)
     drafter = load_drafter_from_export(export_dir, target.get_input_embeddings().weight, tdtype, dev, export=export)
@@ -227,7 +239,6 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     gen_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
     dec = SpeculativeDecoder(target, backbone, drafter, indices, eos)
-    prompts = read_prompts(prompts_file, tokenizer, num_prompts)
 
     total = ChainStats(draft_steps)
     spec_time = base_time = 0.0

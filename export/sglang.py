@@ -83,6 +83,15 @@ def _load_run(run_dir: str, step: int | None):
         raise C.ContractError(f"drafter target_hidden_size/vocab_size {dcfg.target_hidden_size}/{dcfg.vocab_size} "
                               f"!= target hidden_size/vocab_size {target.hidden_size}/{target.vocab_size}")
     check_files(ckpt_dir, rec, [DRAFTER_WEIGHTS_FILE])  # the bytes the trainer wrote: a flipped bit is refused here
+    from safetensors import safe_open
+    from eagle3.records import MEANING_KEY
+    with safe_open(os.path.join(ckpt_dir, DRAFTER_WEIGHTS_FILE), "pt") as f:
+        meaning = (f.metadata() or {}).get(MEANING_KEY)
+    if meaning is not None and meaning != rec.meaning_sha256():  # (checkpoints saved before it carry none)
+        raise C.ContractError(
+            f"{ckpt_dir}/{CKPT_FILE}: its identity, capture, target, drafter or standardize version is not what "
+            f"{DRAFTER_WEIGHTS_FILE} was saved with (the weights' metadata records another {MEANING_KEY}): the "
+            f"record was edited after training; the weights mean what the training run recorded then")
     weights = load_file(os.path.join(ckpt_dir, DRAFTER_WEIGHTS_FILE))
     check_tensors(weights, tensor_shapes(dcfg), f"{ckpt_dir}/{DRAFTER_WEIGHTS_FILE}", architecture=architecture(dcfg))
     vocab_path = os.path.join(run_dir, VOCAB_FILE)

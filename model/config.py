@@ -57,8 +57,20 @@ class DrafterConfig:
     v_head_dim: int | None = None
 
     def __post_init__(self):
+        import math
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r}: expected one of {LAYOUTS}")
+        # A config read from an --init-from export or a preset: values no forward can mean are refused here (an
+        # rms_norm_eps of -1 or a rope_theta of -5 trained to NaN and the export shipped them)
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} {v!r} must be a finite number > 0")
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                     "target_hidden_size", "vocab_size", "draft_vocab_size", "num_aux_layers"):
+            v = getattr(self, name, 1)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} {v!r} must be an integer >= 1")
         if self.fc_norm and self.norm_before_fc:
             raise ValueError("fc_norm and norm_before_fc are exclusive (one RMSNorm per captured state, or one over "
                              "their concatenation)")

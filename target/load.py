@@ -152,7 +152,15 @@ def load_tokenizer(target_dir: str, trust_remote_code: bool = False):
                           "auto_map); pass --trust-remote-code to run it (read it first), as the serving engine "
                           "does. Without it transformers would substitute a conversion that may tokenise differently")
     try:
-        tok = AutoTokenizer.from_pretrained(target_dir, **({"trust_remote_code": True} if remote else {}))
+        if remote:
+            # Only the tokenizer's own module runs (and what it imports): the class is taken from its file, not
+            # through AutoTokenizer(trust_remote_code=True), which would also run config.json's auto_map code
+            # (a configuration or modeling file) to look the tokenizer up.
+            from transformers.dynamic_module_utils import get_class_from_dynamic_module
+            cls = get_class_from_dynamic_module(remote, target_dir)
+            tok = cls.from_pretrained(target_dir)
+        else:
+            tok = AutoTokenizer.from_pretrained(target_dir)
     except Exception as e:  # transformers raises many types here; the user needs the directory named
         raise TargetError(f"{target_dir}: cannot load a tokenizer ({type(e).__name__}: {e})") from e
     if not getattr(tok, "chat_template", None):

@@ -25,7 +25,11 @@ def set_shard_metadata(out: str, j: int, meta: dict) -> None:
     if os.path.isfile(side):
         edit_json(side, lambda rec: rec.update(fix))
     if os.path.isfile(os.path.join(out, C.MANIFEST_FILE)):
-        edit_json(os.path.join(out, C.MANIFEST_FILE), lambda m: m["shards"][j].update(fix))
+        def refit(m):  # the shard's record and the totals it is part of, as eagle3 writes them
+            m["shards"][j].update(fix)
+            if "totals" in m:
+                m["totals"]["bytes"] = sum(s["bytes"] for s in m["shards"])
+        edit_json(os.path.join(out, C.MANIFEST_FILE), refit)
 
 
 def make_legacy(out: str, j: int) -> None:

@@ -191,14 +191,33 @@ def light_copy(run, dst, step=4):
     return str(dst)
 
 
-def edit_records(run, fn, step=4):
-    for path in (os.path.join(run, "run.json"), os.path.join(run, "checkpoints", f"step{step:08d}",
-                                                               "eagle3_checkpoint.json")):
+def edit_records(run, fn, step=4, resign=True):
+    """Edit run.json and the checkpoint's record alike. resign: as if the run had been trained so -- the weights'
+    metadata records the edited meaning (records.MEANING_KEY) and the record the weights' new sha256; without it the
+    edit is what export must refuse (tests/test_integrity_inputs.py)."""
+    ckpt = os.path.join(run, "checkpoints", f"step{step:08d}")
+    for path in (os.path.join(run, "run.json"), os.path.join(ckpt, "eagle3_checkpoint.json")):
         with open(path) as f:
             d = json.load(f)
         fn(d)
         with open(path, "w") as f:
             json.dump(d, f)
+    if resign:
+        from safetensors import safe_open
+        from eagle3.records import CKPT_FILE, MEANING_KEY, CheckpointRecord
+        wpath = os.path.join(ckpt, "drafter.safetensors")
+        with safe_open(wpath, "pt") as f:
+            meta = dict(f.metadata() or {})
+        if MEANING_KEY in meta:
+            meta[MEANING_KEY] = CheckpointRecord.read(os.path.join(ckpt, CKPT_FILE)).meaning_sha256()
+            save_file(load_file(wpath), wpath, metadata=meta)
+            sha = C.file_sha256(wpath)
+            path = os.path.join(ckpt, "eagle3_checkpoint.json")
+            with open(path) as f:
+                d = json.load(f)
+            d.setdefault("sha256", {})["drafter.safetensors"] = sha
+            with open(path, "w") as f:
+                json.dump(d, f)
 
 
 def edit_weights(run, fn, step=4):
@@ -207,7 +226,8 @@ def edit_weights(run, fn, step=4):
     fn(w)
     save_file(w, path)
     # recorded as the trainer would have: what these tests refuse is the content, not a hash mismatch
-    edit_records(run, lambda d: d.get("sha256", {}).update({"drafter.safetensors": C.file_sha256(path)}), step)
+    edit_records(run, lambda d: d.get("sha256", {}).update({"drafter.safetensors": C.file_sha256(path)}), step,
+                 resign=False)
 
 
 def no_leftovers(parent, name):

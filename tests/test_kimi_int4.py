@@ -392,4 +392,32 @@ def test_regenerate_runs_a_tokenizer_shipped_as_code_only_behind_the_flag(slow_r
     assert slow["tokenizer"]["remote_code"] == shipped_code(slow_remote_tokenizer_target)
     assert fast["tokenizer"]["remote_code"] is None and slow["identity"] == fast["identity"]
     lines = [(tmp_path / d / "conversations.jsonl").read_text() for d in ("fast", "slow")]
-    assert lines[0] == lines[1] and lines[0].count("\n") == 4
+    # (the random tiny model's answer to one prompt is partial bytes of one character, cut at --max-new-tokens:
+    # nothing decodes cleanly, so it is an empty-answer error under both tokenizers alike)
+    assert lines[0] == lines[1] and lines[0].count("\n") == fast["counts"]["conversations"] >= 3
+
+
+def test_trust_remote_code_runs_the_tokenizer_code_alone(remote_tokenizer_target, tmp_path):
+    """--trust-remote-code runs the tokenizer class a target ships, and nothing else: a config.json auto_map naming
+    a configuration / modeling file (code that would run on import) is not executed (before: it was, through
+    AutoTokenizer(trust_remote_code=True) looking the tokenizer up via AutoConfig)."""
+    import shutil
+    from eagle3.target.load import load_tokenizer
+    path = tmp_path / "t"
+    shutil.copytree(remote_tokenizer_target, path)
+    ran = tmp_path / "ran"
+    for mod in ("configuration_evil", "modeling_evil"):
+        (path / f"{mod}.py").write_text(
+            f"open({str(ran / mod)!r}, 'w').write('imported')\n"
+            "from transformers import LlamaConfig\n"
+            "class EvilConfig(LlamaConfig):\n    model_type = 'llama'\n")
+    ran.mkdir()
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.Evil"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+    tok_cfg.pop("tokenizer_class", None)  # what makes AutoTokenizer consult the config
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    tok = load_tokenizer(str(path), trust_remote_code=True)
+    assert type(tok).__name__ == "TinyRemoteTokenizer"
+    assert os.listdir(ran) == []  # neither the configuration nor the modeling file ran

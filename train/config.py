@@ -119,8 +119,38 @@ class TrainConfig:
     stop_after_steps: int | None = _opt(None, "testing aid: exit after this many steps as if killed")
 
     def __post_init__(self):
+        import math
         from eagle3.model.layers import checkpointing_mode
         from eagle3.model.kernels import CUDA_ATTENTION_KERNELS
+
+        def flag(name):
+            return "--" + name.replace("_", "-")
+        # Counts that divide or bound a loop: 0 or less is a ZeroDivisionError, an empty run or the preset's value
+        # silently -- each is refused by name (optional ones only when given).
+        for name, optional in (("max_steps", True), ("draft_vocab_size", True), ("accept_steps", True),
+                               ("accept_max_new_tokens", True), ("token_budget", False), ("grad_accum", False),
+                               ("ttt_steps", False), ("save_interval", False), ("eval_interval", False),
+                               ("eval_batches", False), ("log_interval", False), ("teacher_chunk_tokens", False),
+                               ("keep_checkpoints", False), ("sequence_parallel", False)):
+            v = getattr(self, name)
+            if optional and v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{flag(name)} {v!r} must be an integer >= 1")
+        for name in ("warmup_steps", "num_workers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{flag(name)} {v!r} must be an integer >= 0")
+        for name, lo, lo_ok in (("lr", 0.0, True), ("epochs", 0.0, False), ("min_lr_ratio", 0.0, True),
+                                ("weight_decay", 0.0, True), ("grad_clip", 0.0, True), ("step_decay", 0.0, False)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+                    not (v >= lo if lo_ok else v > lo):
+                raise ValueError(f"{flag(name)} {v!r} must be a finite number {'>=' if lo_ok else '>'} {lo:g}")
+        if not (isinstance(self.held_out_fraction, (int, float)) and 0 <= self.held_out_fraction < 1):
+            raise ValueError(f"--held-out-fraction {self.held_out_fraction!r} must be in [0, 1)")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"--zero-stage {self.zero_stage!r} must be 0, 1, 2 or 3")
         self.activation_checkpointing = checkpointing_mode(self.activation_checkpointing)
         if self.attention_kernel not in CUDA_ATTENTION_KERNELS:
             raise ValueError(f"attention_kernel {self.attention_kernel!r}: expected one of {CUDA_ATTENTION_KERNELS}")
@@ -191,12 +221,42 @@ def train_parser() -> argparse.ArgumentParser:
     return ap
 
 
+_YAML_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "None": (type(None),),
+               "list": (list,), "tuple": (list, tuple), "dict": (dict,)}
+
+
+def _check_types(values: dict, source: str) -> None:
+    """Each --config value against its TrainConfig field's annotation (a YAML `lr: fast` or `zero_stage: [2]` is
+    refused by name here, not as a TypeError deep in the run)."""
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for name, v in values.items():
+        ann = fields[name].type if isinstance(fields[name].type, str) else getattr(fields[name].type, "__name__", "")
+        allowed = tuple(t for part in ann.split("|") for t in _YAML_TYPES.get(part.strip().split("[")[0], ()))
+        if not allowed:
+            continue
+        if isinstance(v, bool) and bool not in allowed or not isinstance(v, allowed):
+            raise ValueError(f"{source}: {name}: {v!r} is a {type(v).__name__}, expected {ann}")
+
+
 def load_yaml(name_or_path: str) -> dict:
+    """A --config preset or YAML file as a dict; a file that is not YAML, not a mapping, or asks for Python objects
+    (`!!python/...` tags, refused by the safe loader) is a ValueError naming it."""
     if os.path.isfile(name_or_path):
-        with open(name_or_path) as fh:
-            return yaml.safe_load(fh) or {}
-    from eagle3 import presets
-    return presets.load("train", name_or_path)
+        try:
+            with open(name_or_path, encoding="utf-8") as fh:
+                values = yaml.safe_load(fh)
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ValueError(f"--config {name_or_path}: not a YAML file this loader reads "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    else:
+        from eagle3 import presets
+        values = presets.load("train", name_or_path)
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {name_or_path}: expected a mapping of training options, got a "
+                         f"{type(values).__name__}")
+    return values
 
 
 def from_args(a: argparse.Namespace) -> TrainConfig:
@@ -205,6 +265,7 @@ def from_args(a: argparse.Namespace) -> TrainConfig:
     unknown = set(values) - known
     if unknown:
         raise ValueError(f"{a.config}: unknown training options {sorted(unknown)}")
+    _check_types(values, f"--config {a.config}")
     for name in known:
         v = getattr(a, name, None)
         if v is not None:

@@ -16,6 +16,7 @@ training length, checkpoint/eval/log cadence, speed-only switches), recorded in 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -346,9 +347,12 @@ def consolidated_state_dict(engine) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in drafter.export_state_dict().items()}
 
 
-def _drafter_bytes(weights: dict[str, torch.Tensor], step: int) -> bytes:
+def _drafter_bytes(weights: dict[str, torch.Tensor], step: int, run_record: RunRecord) -> bytes:
+    """The consolidated drafter as safetensors, its metadata holding the step and what the weights mean
+    (records.MEANING_KEY): export checks the checkpoint's record against it."""
     from safetensors.torch import save
-    return save(weights, metadata={"eagle3_step": str(step)})
+    from eagle3.records import MEANING_KEY
+    return save(weights, metadata={"eagle3_step": str(step), MEANING_KEY: run_record.meaning_sha256()})
 
 
 def save_checkpoint(engine, run_dir: str, step: int, cfg: TrainConfig, world: D.World, run_record: RunRecord) -> str:
@@ -364,7 +368,7 @@ def save_checkpoint(engine, run_dir: str, step: int, cfg: TrainConfig, world: D.
     engine.save_checkpoint(root, tag=tag, client_state={"step": step, "rng": rng}, save_latest=False)
     weights = consolidated_state_dict(engine)
     D.run_on_main(lambda: CK.write_bytes_atomic(os.path.join(path, DRAFTER_WEIGHTS_FILE),
-                                                _drafter_bytes(weights, step)), world)
+                                                _drafter_bytes(weights, step, run_record)), world)
     sha256 = CK.hash_files(path, world)
 
     def complete():
@@ -386,7 +390,7 @@ def save_best(engine, run_dir: str, step: int, world: D.World, run_record: RunRe
         tmp, final = os.path.join(root, f".{BEST_DIR}.tmp"), os.path.join(root, BEST_DIR)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        data = _drafter_bytes(weights, step)
+        data = _drafter_bytes(weights, step, run_record)
         CK.write_bytes_atomic(os.path.join(tmp, DRAFTER_WEIGHTS_FILE), data)
         CK.write_record(tmp, CheckpointRecord.of_run(run_record, step=step, tag=BEST_DIR, weights=DRAFTER_WEIGHTS_FILE,
                                                      best=best, sha256={DRAFTER_WEIGHTS_FILE: C.sha256_bytes(data)}))
@@ -557,8 +561,10 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.vocab:
             vocab = load_vocab(cfg.vocab)
             ident = vocab["meta"].get("identity")
-            if ident is not None:
-                C.require_same_capture(ident, manifest.identity(), f"vocab {cfg.vocab}", "the dumps")
+            if not isinstance(ident, dict):  # nothing says which target's dumps it counts
+                raise C.ContractError(f"--vocab {cfg.vocab}: records no identity of the dumps it was built from; "
+                                      "build it with `eagle3 vocab --dump ...` of these dumps")
+            C.require_same_capture(ident, manifest.identity(), f"vocab {cfg.vocab}", "the dumps")
             if init is not None:
                 check_same_vocab(init, vocab, cfg.vocab)
         elif init is not None:  # the export's lm_head rows are its map's tokens: train with that map
@@ -710,6 +716,12 @@ def train(cfg: TrainConfig) -> dict:
                    **pooled(red[:-2].reshape(3, -1)), "tokens": int(red[-1]), "tok_s": float(red[-1]) / dt,
                    "lr": sched.get_last_lr()[0], "time": time.time()}
             metrics.write(rec)
+            if not math.isfinite(rec["loss"]):  # stop here: no later step or checkpoint can mean anything
+                bad = [j for j, v in enumerate(rec.get("loss_j") or []) if not math.isfinite(v)]
+                raise FloatingPointError(
+                    f"training turned non-finite between steps {step - n_since + 1} and {step}: loss {rec['loss']}"
+                    f"{f' (draft steps {bad})' if bad else ''}, lr {rec['lr']:.3g}; the last checkpoint before it "
+                    f"is in {os.path.join(run_dir, CHECKPOINTS_DIR)} (check the data, --lr, the drafter config)")
             postfix.update(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc_j'][0]:.2f}", tau=f"{rec['accept_len']:.2f}",
                            tok_s=f"{rec['tok_s']:,.0f}")
             bar.set_postfix(postfix)
@@ -719,6 +731,11 @@ def train(cfg: TrainConfig) -> dict:
         bar.update(1)
         # save first: whatever happens in the evaluation below, the step's weights are on disk
         if step % cfg.save_interval == 0 or step == total:
+            bad = [n for n, p in engine.module.named_parameters() if not bool(torch.isfinite(p).all())]
+            if bad:  # never saved: a checkpoint of NaN weights would be resumed or exported as if it were one
+                raise FloatingPointError(f"training turned non-finite by step {step}: parameters {bad[:6]}"
+                                         f"{' ...' if len(bad) > 6 else ''} are not finite; the last checkpoint "
+                                         f"before it is in {os.path.join(run_dir, CHECKPOINTS_DIR)}")
             save_checkpoint(engine, run_dir, step, cfg, world, run_record)
         if held_refs and (step % cfg.eval_interval == 0 or step == total):
             ev = {"step": step, "split": "eval", **evaluate()}
