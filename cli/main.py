@@ -47,7 +47,7 @@ def _add_dump(p: argparse.ArgumentParser) -> None:
                    help="how the states are stored: 'dtype' (in --dtype) or 'fp8' (float8 e4m3 with one float32 "
                         "scale per token row: H+4 bytes per state and token instead of 2*H in bf16; read back in "
                         "--dtype)")
-    p.add_argument("--shard-size-mb", type=float, default=1024.0)
+    p.add_argument("--shard-size-mb", type=float, default=1024.0, help="target size of each shard file")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.add_argument("--no-record-argmax", action="store_true",
                    help="do not store the target's full-vocab argmax per token (4 B/token; lets training multiply "
@@ -57,7 +57,7 @@ def _add_dump(p: argparse.ArgumentParser) -> None:
                         "with a regenerate.json beside it is otherwise refused unless that target is this one")
     _add_trust_remote_code(p)
     _add_full_weights_digest(p)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--stop-after-shards", type=int, default=None, help=argparse.SUPPRESS)
 
 
@@ -260,7 +260,7 @@ def cmd_train(a: argparse.Namespace) -> None:
 def add_split_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--held-out-fraction", type=float, default=0.02,
                    help="share of samples (by sample_index) kept out of training for evaluation")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
 
 
 def cmd_export_sglang(a: argparse.Namespace) -> None:
@@ -299,7 +299,8 @@ def _add_export_sglang(sub) -> None:
     p.add_argument("--sglang-version", default=SGLANG_LATEST,
                    help=f"SGLang release the ids are computed for and that must serve the drafter's architecture "
                         f"and options (default {SGLANG_LATEST})")
-    p.add_argument("--engine", choices=["sglang", "vllm"], default="sglang")
+    p.add_argument("--engine", choices=["sglang", "vllm"], default="sglang",
+                   help="the serving engine the config.json is written for (its id rule and class names)")
     p.add_argument("--vllm-version", default=VLLM_LATEST,
                    help=f"--engine vllm: the vLLM release that must serve the drafter's architecture and options "
                         f"(default {VLLM_LATEST})")
@@ -309,9 +310,38 @@ def _add_export_sglang(sub) -> None:
     p.set_defaults(fn=cmd_export_sglang)
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in its help, unless the help already says it (or the flag is a switch, off unless
+    given)."""
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, argparse.SUPPRESS) or \
+                isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
+                                    argparse.BooleanOptionalAction)):
+            return text
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated flags (`--num-sample 5` is an error, not --num-samples), defaults shown in --help."""
+    def __init__(self, *a, **kw):
+        kw.setdefault("formatter_class", _Help)
+        kw.setdefault("allow_abbrev", False)
+        super().__init__(*a, **kw)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("eagle3")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="eagle3", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = _Parser(prog="eagle3", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"eagle3 {_version()}")
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     p = sub.add_parser("dump", help="capture the target's hidden states into sharded safetensors")
     _add_dump(p)
     p.set_defaults(fn=cmd_dump)
@@ -320,8 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_regenerate(p)
     p.set_defaults(fn=cmd_regenerate)
     p = sub.add_parser("vocab", help="draft vocabulary (d2t/t2d) from the training split of dumps")
-    p.add_argument("--dump", nargs="+", required=True)
-    p.add_argument("--draft-vocab-size", type=int, required=True)
+    p.add_argument("--dump", nargs="+", required=True, help="dump directories (their training split is counted)")
+    p.add_argument("--draft-vocab-size", type=int, required=True,
+                   help="tokens in the draft vocabulary: the most frequent loss tokens of the training split")
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.add_argument("--no-verify", action="store_true", help="skip the shard sha256 check")
     add_split_args(p)
@@ -332,16 +363,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("inspect", help="describe and verify a dump directory or a drafter export (architecture, "
                                        "options, draft KV bytes per token)")
-    p.add_argument("path")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--no-verify", action="store_true")
+    p.add_argument("path", help="a dump directory or a drafter export directory")
+    p.add_argument("--json", action="store_true", help="the report as JSON")
+    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of every file")
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("example-target", help="convert (once) and print the example target directory")
     p.set_defaults(fn=cmd_example_target)
     from eagle3.cli.quickstart import QuickstartConfig
     q = QuickstartConfig()
     p = sub.add_parser("quickstart", help="the whole pipeline on the embedded default (SmolLM2-135M + ShareGPT)")
-    p.add_argument("--out", default=q.out)
+    p.add_argument("--out", default=q.out, help="directory of every stage's output (rerun to resume)")
     p.add_argument("--num-samples", type=int, default=None,
                    help="input conversations the target answers (those it can): default 8000 on a GPU; on a CPU "
                         "1000 where its bf16 GEMMs are fast (AMX), else 500")
@@ -380,10 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttt-steps", type=int, default=None,
                    help="training-time-test unroll (default: --draft-steps on a CPU, the preset's on a GPU)")
     p.add_argument("--draft-steps", type=int, default=q.draft_steps, help="chain length in the eval")
-    p.add_argument("--eval-prompts", type=int, default=q.eval_prompts)
+    p.add_argument("--eval-prompts", type=int, default=q.eval_prompts, help="eval: held-out prompts decoded")
     p.add_argument("--max-new-tokens", type=int, default=q.max_new_tokens, help="eval: tokens per prompt")
-    p.add_argument("--held-out-fraction", type=float, default=q.held_out_fraction)
-    p.add_argument("--device", default=None)
+    p.add_argument("--held-out-fraction", type=float, default=q.held_out_fraction,
+                   help="share of conversations kept out of training (the eval's prompts come from them)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.add_argument("--data", default=None, help="a .jsonl of conversations instead of the packaged ShareGPT")
     p.set_defaults(fn=cmd_quickstart)
     p = sub.add_parser("eval", help="speculative decoding with the target and an exported drafter, as SGLang runs it")
@@ -392,12 +424,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True,
                    help="conversations (ShareGPT / messages: the first user turn of each is a prompt) or MT-bench "
                         "questions ({\"turns\": [...]}: the first turn of each is a prompt); .jsonl/.json/.parquet")
-    p.add_argument("--draft-steps", type=int, default=5)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--draft-steps", type=int, default=5, help="draft chain length: tokens proposed per round")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per prompt")
+    p.add_argument("--num-prompts", type=int, default=20, help="prompts decoded (the first ones of --prompts)")
     p.add_argument("--out", default=None, help="write eval.json and acceptance.png here")
-    p.add_argument("--dtype", default="fp32")
-    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="target and drafter dtype, on a GPU too: fp32 makes the lossless check exact (bf16 "
+                        "verification can flip near-ties against bf16 one-token decoding)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.add_argument("--allow-foreign-export", action="store_true",
                    help="evaluate a drafter from elsewhere: an export without eagle3_provenance.json (its ids are "
                         "read as the latest known SGLang release reads them for this target) or one whose ids "
@@ -416,11 +450,17 @@ def main(argv: list[str] | None = None, process_entry: bool | None = None) -> No
     """The `eagle3` command. process_entry (default: argv not given, i.e. the console script or `python -m`):
     this call is the process's whole life, so an error also leaves the torch.distributed group it joined; a
     library caller (tests, a notebook) keeps its group."""
-    args = build_parser().parse_args(argv)
+    args = None
     try:
+        args = build_parser().parse_args(argv)
         args.fn(args)
+    except BrokenPipeError:  # `eagle3 inspect --json | head`: the reader left; not an error of ours
+        import os
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise again
+        raise SystemExit(1)
     except (ContractError, ValueError, FileNotFoundError, FloatingPointError) as e:
-        print(f"eagle3 {args.cmd}: error: {e}", file=sys.stderr)
+        print(f"eagle3 {getattr(args, 'cmd', '')}: error: {e}", file=sys.stderr)
         if process_entry if process_entry is not None else argv is None:
             _close_process_group()
         raise SystemExit(2)

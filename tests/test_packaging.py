@@ -10,11 +10,24 @@ import pytest
 import eagle3
 
 
-def test_no_bare_top_level_stage_modules():
-    # dump/, data/, train/ ... install as eagle3.dump, eagle3.data, eagle3.train, never as `data` or `train`
-    for name in ("dump", "data", "train", "export", "eval", "target", "cli", "core"):
-        spec = importlib.util.find_spec(name)
-        assert spec is None or "eagle3" not in (spec.origin or ""), name
+def test_no_bare_top_level_stage_modules(tmp_path):
+    """dump/, data/, train/ ... install as eagle3.dump, eagle3.data, eagle3.train, never as `data` or `train`. Looked
+    up in a fresh interpreter run outside the checkout (a `python -m pytest` puts the checkout itself on sys.path,
+    where its folders are importable by their bare names whatever the install does), so the answer does not depend
+    on what the clone's folder is called."""
+    names = ("dump", "data", "train", "export", "eval", "target", "cli", "core", "model")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = ("import importlib.util, json, eagle3; "
+            f"print(json.dumps({{n: (importlib.util.find_spec(n) or None) and importlib.util.find_spec(n).origin "
+            f"for n in {names!r}}}))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    repo = os.path.realpath(os.path.join(os.path.dirname(__file__), ".."))
+    ours = {n: o for n, o in found.items() if o and os.path.realpath(o).startswith(repo + os.sep)}
+    assert ours == {}, ours
 
 
 def test_core_imports_no_stage():
@@ -41,3 +54,44 @@ def test_a_type_checker_resolves_eagle3():
     assert "import-not-found" not in out and "import-untyped" not in out, out
     assert 'Incompatible types in assignment (expression has type "int", variable has type "str")' in out, out
     assert "Found 1 error" in out, out
+
+
+def _subparsers():
+    import argparse
+    from eagle3.cli.main import build_parser
+    ap = build_parser()
+    sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
+    return ap, sub.choices
+
+
+def test_every_flag_of_every_subcommand_explains_itself_and_shows_its_default():
+    import argparse
+    ap, subs = _subparsers()
+    for name, p in subs.items():
+        for act in p._actions:
+            if act.help == argparse.SUPPRESS or isinstance(act, argparse._HelpAction):
+                continue
+            assert act.help, f"eagle3 {name} {act.option_strings or act.dest}: no help"
+        text = " ".join(p.format_help().split())
+        for act in p._actions:
+            if act.option_strings and act.default not in (None, argparse.SUPPRESS, False, True) \
+                    and act.help != argparse.SUPPRESS:
+                assert "default" in (act.help or "").lower() or f"(default: {act.default})" in text, \
+                    f"eagle3 {name} {act.option_strings[0]}: default {act.default!r} not shown"
+    assert "--stop-after-steps" not in subs["train"].format_help()
+    assert "--stop-after-shards" not in subs["dump"].format_help()
+
+
+def test_no_abbreviations_a_version_and_a_closed_pipe(tiny_dump):
+    _, subs = _subparsers()
+    with pytest.raises(SystemExit):
+        subs["quickstart"].parse_args(["--num-sample", "5"])  # before: ran as --num-samples 5
+    r = subprocess.run([sys.executable, "-m", "eagle3.cli", "--version"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("eagle3 "), r
+    # `eagle3 inspect --json DIR | head -1`: the reader has left; stdout is a pipe nobody reads (deterministic: the
+    # read end is closed before anything is written). Before: a BrokenPipeError traceback.
+    code = ("import os, sys; r, w = os.pipe(); os.close(r); os.dup2(w, 1); from eagle3.cli import main; "
+            f"main(['inspect', '--json', {tiny_dump!r}])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 1

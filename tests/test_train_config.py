@@ -34,8 +34,9 @@ def test_every_train_flag_has_help():
     for flag in ("--dump", "--target", "--out", "--config", "--drafter", "--draft-vocab-size", "--no-bf16", "--bf16",
                  "--token-budget", "--lr", "--warmup-steps", "--held-out-fraction", "--eval-interval", "--no-progress",
                  "--resume", "--no-resume", "--no-fast-path", "--no-keep-best", "--wandb-mode", "--report-to",
-                 "--betas", "--max-steps", "--stop-after-steps", "--activation-checkpointing"):
+                 "--betas", "--max-steps", "--activation-checkpointing"):
         assert flag in flags, flag
+    assert "--stop-after-steps" not in flags  # the tests' aid: hidden from --help
     help_text = p.format_help()
     assert "peak learning rate" in help_text and "(default: 0.0001)" in help_text
 
@@ -60,7 +61,7 @@ def test_a_preset_a_flag_overriding_it_and_a_plain_flag_combine(tmp_path):
     with pytest.raises(ValueError, match="unknown training options.*learning_rate"):
         parse("--config", str(y), "--dump", "d", "--target", "t")
     with pytest.raises(ValueError, match="--report-to.*unknown"):
-        parse("--dump", "d", "--target", "t", "--report-to", "wandb,mlflow")
+        parse("--dump", "d", "--target", "t", "--report-to", "wandb,comet")
 
 
 def test_the_deepspeed_module_entry_takes_the_same_flags():
@@ -158,17 +159,41 @@ def test_wandb_logs_offline_unless_logged_in(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     if wandb.api.api_key:
         pytest.skip("logged in to wandb here: the default would be online")
-    log = MetricsLog(str(tmp_path), TrainConfig(), enabled=True)  # --report-to wandb, no --wandb-mode
+    log = MetricsLog(str(tmp_path), TrainConfig(report_to="wandb"), enabled=True)  # no --wandb-mode
     assert [t.name for t in log.trackers] == ["wandb"] and log.trackers[0].run.settings.mode == "offline"
     log.write(rows(1)[0])
     log.close()
     assert [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
 
 
+def test_mlflow_logs_to_a_local_file_store_and_a_resume_continues_its_run(tmp_path, monkeypatch):
+    import mlflow
+    from eagle3.train.config import TrainConfig
+    from eagle3.train.trainer import MetricsLog
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = TrainConfig(report_to="mlflow")
+    log = MetricsLog(str(tmp_path), cfg, enabled=True)
+    for r in rows(3):
+        log.write(r)
+    log.close()
+    run_id = (tmp_path / "mlflow_run_id").read_text().strip()
+    client = mlflow.tracking.MlflowClient(tracking_uri="file:" + str(tmp_path / "mlruns"))
+    loss = {m.step: m.value for m in client.get_metric_history(run_id, "train/loss")}
+    assert loss == {1: 9.0, 2: 8.0, 3: 7.0}
+    assert client.get_run(run_id).data.params["lr"] == str(cfg.lr)
+    log = MetricsLog(str(tmp_path), cfg, enabled=True, resume_step=2)  # the same MLflow run goes on
+    log.write(rows(1, start=3, scale=2.0)[0])
+    log.close()
+    assert (tmp_path / "mlflow_run_id").read_text().strip() == run_id
+    # MLflow keeps every value logged at a step: the resumed run's step 3 is there beside the first one
+    assert sorted(m.value for m in client.get_metric_history(run_id, "train/loss") if m.step == 3) == [7.0, 14.0]
+
+
 def test_report_to_none_and_other_ranks_log_only_metrics_jsonl(tmp_path):
     from eagle3.train.config import REPORTERS, TrainConfig
     from eagle3.train.trainer import TRACKERS, MetricsLog
     assert set(TRACKERS) == set(REPORTERS)
+    assert TrainConfig().report_to == "none"  # the default: no tracker, metrics.jsonl only
     log = MetricsLog(str(tmp_path / "a"), TrainConfig(report_to="none"), enabled=True)
     assert log.trackers == []
     os.makedirs(tmp_path / "a")

@@ -21,7 +21,8 @@ INIT_HEADS = ("target", "random")  # how the draft head (norm + lm_head) starts:
 # token. The teacher is the target's own distribution at each position whoever wrote the text, so the prompt's
 # positions are supervision too, at no dump cost; the held-out replay walks the assistant's answers either way.
 LOSS_TOKENS = ("assistant", "all")
-REPORTERS = ("wandb", "tensorboard")  # --report-to names: train/trainer.py's TRACKERS
+TESTING_ONLY = ("stop_after_steps",)  # flags the tests use, hidden from --help
+REPORTERS = ("wandb", "tensorboard", "mlflow")  # --report-to names: train/trainer.py's TRACKERS
 
 
 def _opt(default=None, help: str = "", **kw):
@@ -110,9 +111,10 @@ class TrainConfig:
     teacher_chunk_tokens: int = _opt(4096, "tokens per chunk of the teacher's lm_head (bounds its memory)")
     # ---- run control and logging
     resume: bool = _opt(False, "continue the run in --out from checkpoints/latest (same data order and split)")
-    report_to: str = _opt("wandb", "trackers, comma-separated: wandb, tensorboard (RUN/tensorboard/), or none; "
+    report_to: str = _opt("none", "trackers, comma-separated: wandb, tensorboard (RUN/tensorboard/), mlflow "
+                                  "($MLFLOW_TRACKING_URI, else RUN/mlruns), or none; "
                                    "metrics.jsonl is always written")
-    wandb_project: str = _opt("eagle3", "wandb project")
+    wandb_project: str = _opt("eagle3", "wandb project (and MLflow experiment)")
     wandb_mode: str | None = _opt(None, "wandb mode: online | offline | disabled (default: $WANDB_MODE, else "
                                         "offline unless logged in); disabled drops wandb from --report-to")
     progress: bool = _opt(True, "progress bar (--no-progress: off)")
@@ -214,6 +216,10 @@ def train_parser() -> argparse.ArgumentParser:
             action.type = _floats  # one argument "0.9,0.95", as before (HfArgumentParser would call tuple(text))
         if f.name in OPTIONS and not action.option_strings[0].startswith("--no-"):
             action.nargs, action.const, action.type = "?", True, _bool  # --fc-norm alone means true
+        if action.nargs == "?" and action.const is True:  # a switch that also takes true/false: say so
+            action.metavar = "{true,false}"
+        if f.name in TESTING_ONLY:
+            action.help = argparse.SUPPRESS
     ap.set_defaults(**{name: None for name in fields})  # None = not given: a --config preset may fill it
     ap.add_argument("--config", default=None, help="configs/train preset name or a YAML file (its keys are the "
                                                    "options below, with underscores); flags override it")

@@ -272,7 +272,39 @@ class WandbTracker:
         self.run.finish()
 
 
-TRACKERS = {"wandb": WandbTracker, "tensorboard": TensorBoardTracker}
+class MlflowTracker:
+    """MLflow: the tracking server in $MLFLOW_TRACKING_URI, else a local file store RUN/mlruns (offline; `mlflow ui
+    --backend-store-uri RUN/mlruns` reads it). A resumed run continues the same MLflow run (its id is kept in
+    RUN/mlflow_run_id)."""
+    name = "mlflow"
+
+    def __init__(self, run_dir: str, cfg: TrainConfig, resume_step: int | None):
+        import mlflow
+        self.mlflow = mlflow
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            # MLflow 3 keeps its file store in "maintenance mode" behind this switch; it is the store that needs no
+            # server and no database package, what an offline run wants
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            mlflow.set_tracking_uri("file:" + os.path.abspath(os.path.join(run_dir, "mlruns")))
+        mlflow.set_experiment(cfg.wandb_project)
+        id_file = os.path.join(run_dir, "mlflow_run_id")
+        run_id = open(id_file).read().strip() if resume_step is not None and os.path.isfile(id_file) else None
+        self.run = mlflow.start_run(run_id=run_id, run_name=os.path.basename(os.path.abspath(run_dir)))
+        with open(id_file, "w") as f:
+            f.write(self.run.info.run_id)
+        if run_id is None:
+            flat = {k: str(v)[:500] for k, v in cfg.to_dict().items()}
+            mlflow.log_params(flat)
+        self.on = True
+
+    def log(self, values: dict, step: int) -> None:
+        self.mlflow.log_metrics({k: float(v) for k, v in values.items()}, step=step)
+
+    def finish(self) -> None:
+        self.mlflow.end_run()
+
+
+TRACKERS = {"wandb": WandbTracker, "tensorboard": TensorBoardTracker, "mlflow": MlflowTracker}
 
 
 def last_metrics(path: str) -> dict:
