@@ -57,6 +57,7 @@ def _add_dump(p: argparse.ArgumentParser) -> None:
                         "with a regenerate.json beside it is otherwise refused unless that target is this one")
     _add_trust_remote_code(p)
     _add_full_weights_digest(p)
+    _add_config(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--stop-after-shards", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -307,6 +308,7 @@ def _add_export_sglang(sub) -> None:
     p.add_argument("--allow-cuda-graph-mismatch", action="store_true",
                    help="SGLang <= 0.5.10.post1 with a non-default capture set: export anyway (serve with "
                         "--disable-cuda-graph)")
+    _add_config(p)
     p.set_defaults(fn=cmd_export_sglang)
 
 
@@ -330,6 +332,77 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*a, **kw)
 
 
+CONFIGURABLE = ("dump", "regenerate", "eval", "quickstart", "vocab", "export-sglang")  # train has its own --config
+
+
+def _add_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None,
+                   help="a YAML file of this command's options: keys are the flags' names with underscores "
+                        "(max_length: 4096, trust_remote_code: true, data: [a.jsonl, b.jsonl]); flags given on the "
+                        "command line override it")
+
+
+def _config_path(words: list[str]) -> str | None:
+    for i, w in enumerate(words):
+        if w == "--config" and i + 1 < len(words):
+            return words[i + 1]
+        if w.startswith("--config="):
+            return w.split("=", 1)[1]
+    return None
+
+
+def _with_config(parser: argparse.ArgumentParser, cmd: str, path: str, argv: list[str]) -> list[str]:
+    """argv with the --config file's options placed before the command line's own (argparse keeps the last value of
+    a flag, so the command line wins), so that argparse itself checks every value; an unknown key, or a file that
+    is not a YAML mapping, is a ValueError naming the file."""
+    import yaml
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[cmd]
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ValueError(f"--config {path}: not a YAML file this loader reads ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200]})") from None
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path}: expected a mapping of {cmd} options, got a {type(values).__name__}")
+    flags = {a.dest: a for a in sub._actions if a.option_strings and a.dest not in ("help", "config")}
+    unknown = sorted(k for k in values if k not in flags)
+    if unknown:
+        raise ValueError(f"--config {path}: unknown {cmd} options {unknown}; known: {sorted(flags)}")
+    pre = []
+    for key, value in values.items():
+        action = flags[key]
+        flag = next(o for o in action.option_strings if o.startswith("--"))
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if not isinstance(value, bool):
+                raise ValueError(f"--config {path}: {key}: {value!r} is not true or false")
+            if value != action.default:
+                pre.append(flag)
+        elif isinstance(action, argparse.BooleanOptionalAction):
+            pre.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            pre += [flag, *map(str, value)]
+        elif isinstance(value, (dict, bool)) or value is None:
+            raise ValueError(f"--config {path}: {key}: {value!r} is not a value for {flag}")
+        else:
+            pre += [flag, str(value)]
+    rest, skip = [], False
+    for i, w in enumerate(argv):  # the command line without --config FILE
+        if skip:
+            skip = False
+            continue
+        if w == "--config":
+            skip = True
+            continue
+        if w.startswith("--config="):
+            continue
+        rest.append(w)
+    at = rest.index(cmd)
+    return rest[:at + 1] + pre + rest[at + 1:]
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
     try:
@@ -348,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("regenerate", help="let the target (a server, or transformers) rewrite the assistant turns of "
                                           "conversations, so the drafter trains on the target's own answers")
     _add_regenerate(p)
+    _add_config(p)
     p.set_defaults(fn=cmd_regenerate)
     p = sub.add_parser("vocab", help="draft vocabulary (d2t/t2d) from the training split of dumps")
     p.add_argument("--dump", nargs="+", required=True, help="dump directories (their training split is counted)")
@@ -356,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.add_argument("--no-verify", action="store_true", help="skip the shard sha256 check")
     add_split_args(p)
+    _add_config(p)
     p.set_defaults(fn=cmd_vocab)
     from eagle3.train.config import train_parser
     p = sub.add_parser("train", parents=[train_parser()],
@@ -417,6 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of conversations kept out of training (the eval's prompts come from them)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.add_argument("--data", default=None, help="a .jsonl of conversations instead of the packaged ShareGPT")
+    _add_config(p)
     p.set_defaults(fn=cmd_quickstart)
     p = sub.add_parser("eval", help="speculative decoding with the target and an exported drafter, as SGLang runs it")
     p.add_argument("--target", required=True, help="target model directory, or 'example'")
@@ -441,6 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prepack", action="store_true",
                    help="on a CPU, keep PyTorch's plain Linear instead of oneDNN prepacked weights (which make a "
                         "(K+1)-token verify forward cost close to a 1-token one; the baseline uses them too)")
+    _add_config(p)
     p.set_defaults(fn=cmd_eval)
     _add_export_sglang(sub)
     return ap
@@ -452,7 +529,12 @@ def main(argv: list[str] | None = None, process_entry: bool | None = None) -> No
     library caller (tests, a notebook) keeps its group."""
     args = None
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        words = list(sys.argv[1:] if argv is None else argv)
+        path = _config_path(words) if words and words[0] in CONFIGURABLE else None
+        if path:  # before parsing: options the command requires may come from the file
+            words = _with_config(parser, words[0], path, words)
+        args = parser.parse_args(words)
         args.fn(args)
     except BrokenPipeError:  # `eagle3 inspect --json | head`: the reader left; not an error of ours
         import os

@@ -95,3 +95,27 @@ def test_no_abbreviations_a_version_and_a_closed_pipe(tiny_dump):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr[-2000:]
     assert r.returncode == 1
+
+
+def test_every_command_with_many_options_takes_a_config_file(tmp_path, capsys):
+    """--config FILE for dump, regenerate, eval, quickstart, vocab and export-sglang (train has its own, with
+    presets): the file's options, the command line's over them, every value checked by argparse itself."""
+    from eagle3.cli.main import CONFIGURABLE, _with_config, build_parser, main
+    ap, subs = _subparsers()
+    for cmd in CONFIGURABLE:
+        assert "--config" in subs[cmd].format_help(), cmd
+    f = tmp_path / "dump.yaml"
+    f.write_text("target: /models/t\ndata: [a.jsonl, b.jsonl]\nout: o\nmax_length: 512\nno_record_argmax: true\n"
+                 "trust_remote_code: false\n")
+    words = _with_config(ap, "dump", str(f), ["dump", "--config", str(f), "--max-length", "256"])
+    a = ap.parse_args(words)  # --target/--data/--out are required: the file gives them
+    assert (a.target, a.data, a.out, a.max_length, a.no_record_argmax, a.trust_remote_code) == \
+        ("/models/t", ["a.jsonl", "b.jsonl"], "o", 256, True, False)
+    f.write_text("target: t\nmax_lenght: 5\n")
+    with pytest.raises(SystemExit):
+        main(["dump", "--config", str(f)])
+    assert "unknown dump options ['max_lenght']" in capsys.readouterr().err
+    f.write_text("target: t\ndata: [d]\nout: o\nmax_length: long\n")
+    with pytest.raises(SystemExit):
+        main(["dump", "--config", str(f)])
+    assert "--max-length: invalid int value: 'long'" in capsys.readouterr().err

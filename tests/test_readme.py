@@ -2,6 +2,7 @@
 exists or parses with the `eagle3` command's own parser (flags that exist, values of the right type), the torchrun
 and deepspeed launches included."""
 
+import json
 import os
 import re
 import shlex
@@ -74,3 +75,53 @@ def test_every_documented_command_parses_or_exists(doc):
             pytest.fail(f"{doc}:{n}: `{cmd}` does not parse as eagle3 {' '.join(argv[:1])}")
         checked += 1
     assert checked >= 5, (doc, checked)
+
+
+# The README's Llama-3.1-8B block run as its CPU twin: the same commands in the same order, with only what names the
+# real model and its size swapped for the tiny target (every other flag as written).
+TWIN = [(r"/models/m\b", "{target}"),  # $T, as commands() writes it
+        (r"\bsharegpt\.jsonl\b", "{chats}"), (r"\bmtbench\.jsonl\b", "{chats}"),
+        (r"--drafter llama-3\.1-8b", "--drafter tiny --draft-vocab-size 64"),
+        (r"--max-new-tokens 1024", "--max-new-tokens 8"), (r"--draft-steps 5", "--draft-steps 2 --num-prompts 2"),
+        (r"^torchrun --nproc-per-node 8 -m eagle3\.dump\.regenerate", "eagle3 regenerate"),
+        (r"^torchrun --nproc-per-node 8 -m eagle3\.dump", "eagle3 dump"),
+        (r"^deepspeed --num_gpus 8 --module eagle3\.train", "eagle3 train --no-progress --token-budget 256 --held-out-fraction 0.3 --eval-interval 2")]
+
+
+def readme_block(title: str) -> list[str]:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text[text.index(title):]
+    section = section[:section.index("\n## ", 1)]
+    start = next(n for n, line in enumerate(open(os.path.join(ROOT, "README.md")), 1) if title in line)
+    end = start + section.count("\n")
+    return [c for n, c in commands("README.md") if start <= n <= end]
+
+
+@pytest.mark.slow
+def test_the_llama_block_runs_as_its_cpu_twin(word_target_dir, tmp_path, monkeypatch):
+    from eagle3.cli import main
+    from tiny import write_conversations
+    chats = str(write_conversations(tmp_path / "chats.jsonl", n=8, seed=4))
+    monkeypatch.chdir(tmp_path)
+    ran = []
+    for cmd in readme_block("## Llama-3.1-8B on one 8-GPU node"):
+        twin = cmd
+        for pattern, repl in TWIN:
+            twin = re.sub(pattern, repl, twin)
+        twin = twin.format(target=word_target_dir, chats=chats)
+        argv = shlex.split(twin)
+        assert argv[0] == "eagle3", twin
+        main(argv[1:])
+        ran.append(argv[1])
+    assert ran == ["regenerate", "dump", "inspect", "train", "export-sglang", "inspect", "eval"], ran
+    assert json.load(open(tmp_path / "eval" / "llama" / "eval.json"))["lossless"] is True
+
+
+@pytest.fixture
+def word_target_dir(tmp_path_factory):
+    """A tiny Llama whose tokenizer has whole-word tokens (answers re-tokenize to the same ids)."""
+    from tiny import WORDS, make_target
+    from tiny_tokenizers import make_word_tokenizer
+    tok = make_word_tokenizer(WORDS)
+    return make_target(str(tmp_path_factory.mktemp("twin_target")), "llama", tokenizer=tok, vocab_size=len(tok),
+                       layer_scale=8.0)
