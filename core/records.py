@@ -224,6 +224,11 @@ class CheckpointRecord(RunRecord):
         return cls.from_dict(read_json(path), path)
 
 
+def checkpoint_tag(step: int) -> str:
+    """checkpoints/<tag> of a step: step00000200 (zero-padded, so tags sort as steps do)."""
+    return f"step{step:08d}"
+
+
 def find_checkpoint(run_dir: str, step: int | str | None = None) -> tuple[str, int]:
     """(checkpoint directory, step): the given step, 'best' (checkpoints/best), else the newest one holding the
     consolidated drafter."""
@@ -242,7 +247,7 @@ def find_checkpoint(run_dir: str, step: int | str | None = None) -> tuple[str, i
                                     "evaluations; a run without a held-out split has none)")
         return os.path.join(root, BEST_DIR), CheckpointRecord.read(os.path.join(root, BEST_DIR, CKPT_FILE)).step
     if step is not None:
-        tag = f"step{int(step):08d}"
+        tag = checkpoint_tag(int(step))
         if tag not in tags or not complete(tag):
             raise FileNotFoundError(f"{run_dir}: no complete checkpoint for step {step} (have: "
                                     f"{', '.join(str(int(t[4:])) for t in tags if complete(t)) or 'none'})")

@@ -125,3 +125,36 @@ def word_target_dir(tmp_path_factory):
     tok = make_word_tokenizer(WORDS)
     return make_target(str(tmp_path_factory.mktemp("twin_target")), "llama", tokenizer=tok, vocab_size=len(tok),
                        layer_scale=8.0)
+
+
+# The README's Kimi-K2.5 block as its CPU twin: a tiny Kimi-K2.5-layout target (kimi_k25 wrapper around a DeepseekV3
+# backbone, 6 layers), a real OpenAI-compatible server process on localhost in place of SGLang, and what sizes it
+# for 8 x H200 (the kimi-k2.5 presets' 61-layer expectations, TP 8, the Kimi drafter shape) swapped for CPU sizes.
+KIMI_TWIN = [(r"/models/m\b", "{target}"), (r"\bsharegpt\.jsonl\b", "{chats}"),
+             (r"http://10\.0\.0\.1:30000/v1", "{url}"),
+             (r"^torchrun --nproc-per-node 8 -m eagle3\.dump --preset kimi-k2\.5", "eagle3 dump --layers 3,4,5"),
+             (r"^deepspeed --num_gpus 8 --module eagle3\.train --config kimi-k2\.5",
+              "eagle3 train --config kimi-k2.5 --drafter tiny --draft-vocab-size 64 --max-steps 4 --grad-accum 1 "
+              "--no-bf16 --save-interval 2 --eval-interval 2 --held-out-fraction 0.4 --no-progress")]
+
+
+@pytest.mark.slow
+def test_the_kimi_block_runs_as_its_cpu_twin(tiny_targets, tmp_path, monkeypatch):
+    from eagle3.cli import main
+    from test_regenerate import fake_server
+    from tiny import write_conversations
+    chats = str(write_conversations(tmp_path / "chats.jsonl", n=10, seed=5))
+    monkeypatch.chdir(tmp_path)
+    ran = []
+    with fake_server() as url:
+        for cmd in readme_block("## Kimi-K2.5 on 8 × H200"):
+            twin = cmd
+            for pattern, repl in KIMI_TWIN:
+                twin = re.sub(pattern, repl, twin)
+            argv = shlex.split(twin.format(target=tiny_targets["kimi_k25"], chats=chats, url=url))
+            assert argv[0] == "eagle3", twin
+            main(argv[1:])
+            ran.append(argv[1])
+    assert ran == ["regenerate", "dump", "train", "export-sglang"], ran
+    prov = json.load(open(tmp_path / "exports" / "kimi" / "eagle3_provenance.json"))
+    assert prov["capture"]["hidden_state_indices"] == [3, 4, 5] and prov["sglang_release"] == "0.5.23"

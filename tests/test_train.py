@@ -197,7 +197,7 @@ def test_an_error_in_the_final_evaluation_keeps_the_final_checkpoint(tiny_dump, 
 
 def test_last_metrics_reports_what_a_finished_run_recorded(tmp_path):
     # a finished run resumed (the quickstart rerun) trains nothing and reports its last rows instead
-    from eagle3.train.trainer import last_metrics
+    from eagle3.train.trackers import last_metrics
     p = tmp_path / "metrics.jsonl"
     rows = [{"step": 10, "loss": 3.0}, {"step": 10, "split": "eval", "decode_accept_len": 1.5},
             {"step": 20, "loss": 2.0}, {"step": 20, "split": "eval", "decode_accept_len": 1.7}]

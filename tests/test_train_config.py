@@ -128,7 +128,7 @@ def read_scalars(logdir):
 def test_tensorboard_events_are_read_back_by_tensorboard_and_metrics_jsonl_is_unchanged(tmp_path):
     from eagle3.train.config import TrainConfig
     from eagle3.records import METRICS_FILE, TENSORBOARD_DIR
-    from eagle3.train.trainer import MetricsLog
+    from eagle3.train.trackers import MetricsLog
     cfg = TrainConfig(report_to="wandb,tensorboard", wandb_mode="disabled")
     log = MetricsLog(str(tmp_path), cfg, enabled=True)
     assert [t.name for t in log.trackers] == ["tensorboard"], "--wandb-mode disabled drops wandb"
@@ -154,7 +154,7 @@ def test_tensorboard_events_are_read_back_by_tensorboard_and_metrics_jsonl_is_un
 def test_wandb_logs_offline_unless_logged_in(tmp_path, monkeypatch):
     import wandb
     from eagle3.train.config import TrainConfig
-    from eagle3.train.trainer import MetricsLog
+    from eagle3.train.trackers import MetricsLog
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     if wandb.api.api_key:
@@ -169,7 +169,7 @@ def test_wandb_logs_offline_unless_logged_in(tmp_path, monkeypatch):
 def test_mlflow_logs_to_a_local_file_store_and_a_resume_continues_its_run(tmp_path, monkeypatch):
     import mlflow
     from eagle3.train.config import TrainConfig
-    from eagle3.train.trainer import MetricsLog
+    from eagle3.train.trackers import MetricsLog
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = TrainConfig(report_to="mlflow")
     log = MetricsLog(str(tmp_path), cfg, enabled=True)
@@ -191,7 +191,7 @@ def test_mlflow_logs_to_a_local_file_store_and_a_resume_continues_its_run(tmp_pa
 
 def test_report_to_none_and_other_ranks_log_only_metrics_jsonl(tmp_path):
     from eagle3.train.config import REPORTERS, TrainConfig
-    from eagle3.train.trainer import TRACKERS, MetricsLog
+    from eagle3.train.trackers import TRACKERS, MetricsLog
     assert set(TRACKERS) == set(REPORTERS)
     assert TrainConfig().report_to == "none"  # the default: no tracker, metrics.jsonl only
     log = MetricsLog(str(tmp_path / "a"), TrainConfig(report_to="none"), enabled=True)

@@ -22,7 +22,7 @@ INIT_HEADS = ("target", "random")  # how the draft head (norm + lm_head) starts:
 # positions are supervision too, at no dump cost; the held-out replay walks the assistant's answers either way.
 LOSS_TOKENS = ("assistant", "all")
 TESTING_ONLY = ("stop_after_steps",)  # flags the tests use, hidden from --help
-REPORTERS = ("wandb", "tensorboard", "mlflow")  # --report-to names: train/trainer.py's TRACKERS
+REPORTERS = ("wandb", "tensorboard", "mlflow")  # --report-to names: train/trackers.py's TRACKERS
 
 
 def _opt(default=None, help: str = "", **kw):
