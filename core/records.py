@@ -18,8 +18,9 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from eagle3.contract import (STANDARDIZE_VERSION, CaptureSpec, ContractError, TargetInfo, canonical_json, read_json,
-                             sha256_bytes)
+from eagle3 import dist as D
+from eagle3.contract import (STANDARDIZE_VERSION, CaptureSpec, ContractError, TargetInfo, canonical_json, file_sha256,
+                             read_json, sha256_bytes)
 
 # ------------------------------------------------------------------------------------------------ file names
 
@@ -338,3 +339,48 @@ class ExportProvenance:
     @classmethod
     def read(cls, path: str) -> "ExportProvenance":
         return cls.from_dict(read_json(path), path)
+
+
+# ------------------------------------------------------------------------------- reading a checkpoint's files
+
+class CheckpointError(ContractError):
+    """A checkpoint that cannot be trusted or used: incomplete, altered, or holding more than plain state."""
+
+
+def data_files(ckpt_dir: str) -> list[str]:
+    """Every file of a checkpoint but its record, as paths relative to it."""
+    out = []
+    for root, _, files in os.walk(ckpt_dir):
+        out += [os.path.relpath(os.path.join(root, f), ckpt_dir) for f in files]
+    return sorted(f for f in out if f != CKPT_FILE)
+
+
+def check_files(ckpt_dir: str, rec: CheckpointRecord, names: list[str] | None = None,
+                world: D.World | None = None) -> None:
+    """The files `names` (default: all, and no others) hash to what the checkpoint's record says; with `world`,
+    the hashing is shared out among the ranks and every rank raises the same error."""
+    record_path = os.path.join(ckpt_dir, CKPT_FILE)
+    recorded = rec.sha256
+    if recorded is None:
+        raise CheckpointError(f"{record_path}: records no sha256 of its files (written before checkpoints were "
+                              "hashed, or edited): its files cannot be checked")
+    problems = []
+    rank, size = (world.rank, world.world_size) if world is not None else (0, 1)
+    if names is None:
+        names = sorted(recorded)
+        unknown = sorted(set(data_files(ckpt_dir)) - set(recorded))
+        if unknown and rank == 0:  # DeepSpeed globs for its files: one planted beside them would be read too
+            problems.append(f"files its record does not list: {unknown}")
+    for name in names[rank::size]:
+        path = os.path.join(ckpt_dir, name)
+        if name not in recorded:
+            problems.append(f"{name}: no sha256 recorded")
+        elif not os.path.isfile(path):
+            problems.append(f"{path}: missing")
+        elif file_sha256(path) != recorded[name]:
+            problems.append(f"{path}: sha256 differs from the record (the file was altered or corrupted)")
+    if world is not None:
+        problems = [p for part in D.all_gather_objects(problems) for p in part]
+    if problems:
+        raise CheckpointError(f"checkpoint {ckpt_dir} fails its check against {record_path}:\n  "
+                              + "\n  ".join(problems))

@@ -36,7 +36,7 @@ from eagle3 import serving as S
 from eagle3.model.checkpoint import EXPORT_DTYPE, check_tensors, draft_config, load_export
 from eagle3.records import (CKPT_FILE, DRAFTER_WEIGHTS_FILE, EXPORT_CONFIG_FILE as CONFIG_FILE, EXPORT_FILES,
                             EXPORT_FORMAT, EXPORT_WEIGHTS_FILE as WEIGHTS_FILE, PROVENANCE_FILE, RUN_FILE, VOCAB_FILE,
-                            CheckpointRecord, ExportProvenance, RunRecord, find_checkpoint)
+                            CheckpointRecord, ExportProvenance, RunRecord, check_files, find_checkpoint)
 
 ENGINES = ("sglang", "vllm")
 
@@ -51,7 +51,6 @@ class ExportError(ValueError):
 def _load_run(run_dir: str, step: int | None):
     """(run record, checkpoint record, checkpoint dir, step, DrafterConfig, capture, TargetInfo, weights)."""
     from safetensors.torch import load_file
-    from eagle3.train.checkpoint import check_files
     from eagle3.model import DrafterConfig, architecture, tensor_shapes
 
     run = RunRecord.read(os.path.join(run_dir, RUN_FILE))

@@ -22,6 +22,8 @@ import re
 import torch
 from torch import nn
 
+from eagle3.target.files import tensor_files
+
 PACKED_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\."
                         r"weight_(packed|scale|shape)$")
 MODULE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
@@ -179,9 +181,8 @@ def strip_for_packed_loading(config) -> None:
 
 def packed_keys(target_dir: str) -> dict[tuple[int, int, str, str], tuple[str, str]]:
     """(layer, expert, proj, part) -> (key, file) for every routed-expert packed tensor of the checkpoint."""
-    from eagle3.target.weights import weight_files  # here: weights imports load, which imports this module
     out = {}
-    for key, path in weight_files(target_dir).items():
+    for key, path in tensor_files(target_dir).items():
         m = PACKED_KEY.search(key)
         if m:
             out[(int(m[1]), int(m[2]), m[3], m[4])] = (key, path)

@@ -5,12 +5,10 @@ loaded to train its drafter. A target with tied embeddings has one tensor for bo
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 from safetensors import safe_open
 
+from eagle3.target.files import tensor_files
 from eagle3.target.load import read_config, text_config_dict
 
 # Checkpoint names, most specific first: plain causal LMs, transformers' VLM layout, Kimi-K2.5's original layout.
@@ -18,20 +16,6 @@ EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.we
               "language_model.model.embed_tokens.weight")
 HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
 NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight")
-
-
-def weight_files(target_dir: str) -> dict[str, str]:
-    """tensor name -> file, from the index or the single model.safetensors (also how target/int4_experts.py finds
-    the packed experts)."""
-    index = os.path.join(target_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            return {k: os.path.join(target_dir, v) for k, v in json.load(f)["weight_map"].items()}
-    single = os.path.join(target_dir, "model.safetensors")
-    if os.path.isfile(single):
-        with safe_open(single, "pt") as f:
-            return {k: single for k in f.keys()}
-    raise FileNotFoundError(f"{target_dir}: no model.safetensors or model.safetensors.index.json")
 
 
 def _read(files: dict[str, str], candidates: tuple[str, ...], what: str, target_dir: str) -> torch.Tensor | None:
@@ -44,7 +28,7 @@ def _read(files: dict[str, str], candidates: tuple[str, ...], what: str, target_
 
 def load_embedding_and_head(target_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(embed_tokens.weight [V, H], lm_head.weight [V, H]) of the target, in the checkpoint's dtype."""
-    files = weight_files(target_dir)
+    files = tensor_files(target_dir)
     embed = _read(files, EMBED_KEYS, "embedding", target_dir)
     if embed is None:
         raise KeyError(f"{target_dir}: no token embedding among {EMBED_KEYS}")
@@ -60,7 +44,7 @@ def load_embedding_and_head(target_dir: str) -> tuple[torch.Tensor, torch.Tensor
 
 def load_final_norm(target_dir: str) -> torch.Tensor:
     """The target's final RMSNorm weight [H] (the norm in front of its lm_head), in the checkpoint's dtype."""
-    norm = _read(weight_files(target_dir), NORM_KEYS, "final norm", target_dir)
+    norm = _read(tensor_files(target_dir), NORM_KEYS, "final norm", target_dir)
     if norm is None:
         raise KeyError(f"{target_dir}: no final norm among {NORM_KEYS}")
     return norm

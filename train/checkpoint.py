@@ -27,11 +27,8 @@ import torch
 
 from eagle3 import contract as C
 from eagle3 import dist as D
-from eagle3.records import CKPT_FILE, LATEST, CheckpointRecord
-
-
-class CheckpointError(C.ContractError):
-    """A checkpoint that cannot be trusted or used: incomplete, altered, or holding more than plain state."""
+# what reading a checkpoint needs lives below train/ (export reads checkpoints too): re-exported here
+from eagle3.records import CKPT_FILE, LATEST, CheckpointError, CheckpointRecord, check_files, data_files  # noqa: F401
 
 
 def _allowed_globals() -> list:
@@ -112,14 +109,6 @@ def is_complete(ckpt_dir: str) -> bool:
     return os.path.isfile(os.path.join(ckpt_dir, CKPT_FILE))
 
 
-def data_files(ckpt_dir: str) -> list[str]:
-    """Every file of a checkpoint but its record, as paths relative to it."""
-    out = []
-    for root, _, files in os.walk(ckpt_dir):
-        out += [os.path.relpath(os.path.join(root, f), ckpt_dir) for f in files]
-    return sorted(f for f in out if f != CKPT_FILE)
-
-
 def hash_files(ckpt_dir: str, world: D.World) -> dict[str, str]:
     """sha256 of every file of the checkpoint, the files shared out among the ranks (DeepSpeed's optimizer state
     is many GB for a large drafter)."""
@@ -131,37 +120,6 @@ def hash_files(ckpt_dir: str, world: D.World) -> dict[str, str]:
 def write_record(ckpt_dir: str, record: CheckpointRecord) -> None:
     path = os.path.join(ckpt_dir, CKPT_FILE)
     write_bytes_atomic(path, json.dumps(record.to_dict(), indent=1).encode())
-
-
-def check_files(ckpt_dir: str, rec: CheckpointRecord, names: list[str] | None = None,
-                world: D.World | None = None) -> None:
-    """The files `names` (default: all, and no others) hash to what the checkpoint's record says; with `world`,
-    the hashing is shared out among the ranks and every rank raises the same error."""
-    record_path = os.path.join(ckpt_dir, CKPT_FILE)
-    recorded = rec.sha256
-    if recorded is None:
-        raise CheckpointError(f"{record_path}: records no sha256 of its files (written before checkpoints were "
-                              "hashed, or edited): its files cannot be checked")
-    problems = []
-    rank, size = (world.rank, world.world_size) if world is not None else (0, 1)
-    if names is None:
-        names = sorted(recorded)
-        unknown = sorted(set(data_files(ckpt_dir)) - set(recorded))
-        if unknown and rank == 0:  # DeepSpeed globs for its files: one planted beside them would be read too
-            problems.append(f"files its record does not list: {unknown}")
-    for name in names[rank::size]:
-        path = os.path.join(ckpt_dir, name)
-        if name not in recorded:
-            problems.append(f"{name}: no sha256 recorded")
-        elif not os.path.isfile(path):
-            problems.append(f"{path}: missing")
-        elif C.file_sha256(path) != recorded[name]:
-            problems.append(f"{path}: sha256 differs from the record (the file was altered or corrupted)")
-    if world is not None:
-        problems = [p for part in D.all_gather_objects(problems) for p in part]
-    if problems:
-        raise CheckpointError(f"checkpoint {ckpt_dir} fails its check against {record_path}:\n  "
-                              + "\n  ".join(problems))
 
 
 # ---------------------------------------------------------------------------------------- latest, rotation
