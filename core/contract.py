@@ -30,6 +30,7 @@ SAMPLE_INDEX = "sample_index"
 # Optional (dumps since the fast trainer): the target's full-vocab argmax at each token, int32. With it the
 # trainer's teacher multiplies only the draft-vocab rows of the target head (docs/contract.md §9 needs nothing else).
 TARGET_ARGMAX = "target_argmax"
+HF_INDEX_CONVENTION = "hf_hidden_states_index"  # CaptureSpec.convention: the one naming of captured states (§1)
 HIDDEN_PREFIX = "hidden_states."
 
 # How a dump stores its states (docs/contract.md §3). "dtype": hidden_states.<k> and final_hidden in the dump's
@@ -186,7 +187,7 @@ class TokenizerInfo:
 class CaptureSpec:
     """The contract itself: the HF indices of the residual-stream states the drafter consumes, ascending."""
     hidden_state_indices: list[int]
-    convention: str = "hf_hidden_states_index"
+    convention: str = HF_INDEX_CONVENTION
 
     def keys(self) -> list[str]:
         return [hidden_state_key(k) for k in self.hidden_state_indices]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from eagle3 import dist as D
-from eagle3.contract import (STANDARDIZE_VERSION, CaptureSpec, ContractError, TargetInfo, canonical_json, file_sha256,
+from eagle3.contract import (HF_INDEX_CONVENTION, STANDARDIZE_VERSION, CaptureSpec, ContractError, TargetInfo, canonical_json, file_sha256,
                              read_json, sha256_bytes)
 
 # ------------------------------------------------------------------------------------------------ file names
@@ -103,7 +103,7 @@ _TARGET = [("path", (str,), _REQUIRED), ("architecture", (str,), _REQUIRED), ("n
            ("hidden_size", (int,), _REQUIRED), ("vocab_size", (int,), _REQUIRED),
            ("config_sha256", (str,), _REQUIRED), ("model_type", (str,), ""), ("weights_sha256", (str,), ""),
            ("revision", (str,), "")]
-_CAPTURE = [("hidden_state_indices", (INTS,), _REQUIRED), ("convention", (str,), "hf_hidden_states_index")]
+_CAPTURE = [("hidden_state_indices", (INTS,), _REQUIRED), ("convention", (str,), HF_INDEX_CONVENTION)]
 
 
 def _target(d: dict, where: str) -> TargetInfo:

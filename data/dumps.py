@@ -291,12 +291,12 @@ def collate(samples: list[dict], pad_id: int = 0) -> dict:
     if fp8:  # padding: scale 0 and q 0 read back as 0, as the padding of a dequantized batch
         out[BATCH_SCALES[0]] = torch.zeros((B, T, len(first["hidden_scales"])), dtype=torch.float32)
         out[BATCH_SCALES[1]] = torch.zeros((B, T), dtype=torch.float32)
-    if all("target_argmax" in s for s in samples):  # the dump recorded the teacher's argmax (all or nothing)
-        out["target_argmax"] = torch.zeros((B, T), dtype=torch.long)
+    if all(C.TARGET_ARGMAX in s for s in samples):  # the dump recorded the teacher's argmax (all or nothing)
+        out[C.TARGET_ARGMAX] = torch.zeros((B, T), dtype=torch.long)
     for b, s in enumerate(samples):
         n = s["input_ids"].shape[0]
-        if "target_argmax" in out:
-            out["target_argmax"][b, :n] = s["target_argmax"]
+        if C.TARGET_ARGMAX in out:
+            out[C.TARGET_ARGMAX][b, :n] = s[C.TARGET_ARGMAX]
         out["input_ids"][b, :n] = s["input_ids"]
         out["loss_mask"][b, :n] = s["loss_mask"]
         out["attention_mask"][b, :n] = 1

@@ -65,5 +65,5 @@ def standardize_data_v1(sample: dict, manifest: DumpManifest, source: str = "sam
         vocab = manifest.target.vocab_size
         if T and (int(am.min()) < 0 or int(am.max()) >= vocab):
             raise ContractError(f"{source}: {C.TARGET_ARGMAX} holds ids outside the target vocab ({vocab})")
-        out["target_argmax"] = am
+        out[C.TARGET_ARGMAX] = am
     return out

@@ -334,7 +334,7 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
                             rec.update(final=host["final"][b, :n], sample_index=samples[i].sample_index,
                                        input_ids=samples[i].input_ids, loss_mask=samples[i].loss_mask)
                             if ARGMAX in host:
-                                rec["target_argmax"] = host[ARGMAX][b, :n]
+                                rec[C.TARGET_ARGMAX] = host[ARGMAX][b, :n]
                             collected.append(rec)
                     del states
                     done_tokens += sum(lengths[i] for i in batch)

@@ -208,8 +208,8 @@ def write_shard(out_dir: str, j: int, samples: list[dict], indices: list[int], m
     else:
         tensors.update(state_tensors)
     tensors[C.INPUT_IDS] = [torch.as_tensor(s["input_ids"], dtype=torch.int32) for s in samples]
-    if all("target_argmax" in s for s in samples):
-        tensors[C.TARGET_ARGMAX] = [torch.as_tensor(s["target_argmax"], dtype=torch.int32) for s in samples]
+    if all(C.TARGET_ARGMAX in s for s in samples):
+        tensors[C.TARGET_ARGMAX] = [torch.as_tensor(s[C.TARGET_ARGMAX], dtype=torch.int32) for s in samples]
     if fp8:
         tensors.update(state_tensors)
     tensors[C.LOSS_MASK] = [torch.as_tensor(s["loss_mask"], dtype=torch.uint8) for s in samples]

@@ -64,7 +64,7 @@ def _load_run(run_dir: str, step: int | None):
         dcfg = DrafterConfig.from_dict(rec.drafter)
     except (KeyError, TypeError, ValueError) as e:
         raise C.ContractError(f"{ckpt_dir}/{CKPT_FILE}: malformed checkpoint record ({e})") from e
-    if cap.convention != "hf_hidden_states_index":
+    if cap.convention != C.HF_INDEX_CONVENTION:
         raise C.ContractError(f"{ckpt_dir}/{CKPT_FILE}: capture convention {cap.convention!r} is not "
                               "'hf_hidden_states_index'")
     capture = C.validate_indices(cap.hidden_state_indices, target.num_hidden_layers)
@@ -203,7 +203,7 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
         engine=engine, sglang_release=release, serving_family=family,
         vllm_release=str(S.parse_release(vllm_version)) if engine == "vllm" else None, architecture=arch,
         options=dcfg.options, draft_kv_bytes_per_token=dcfg.draft_kv_bytes_per_token(),
-        capture=C.CaptureSpec(hidden_state_indices=capture, convention="hf_hidden_states_index"),
+        capture=C.CaptureSpec(hidden_state_indices=capture, convention=C.HF_INDEX_CONVENTION),
         eagle_aux_hidden_state_layer_ids=ids, served_capture_indices=served,
         ids_reproduce_capture_in_sglang=(None if reproducing is None
                                          else [{"first": a, "last": b} for a, b in reproducing]),

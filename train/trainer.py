@@ -523,7 +523,7 @@ def train(cfg: TrainConfig) -> dict:
             # by data-parallel rank: a sequence-parallel group holds one batch, and its ranks must see one draw
             seed = (cfg.seed * 1_000_003 + dp_rank) * 1_000_003 + step
             hs = noisy_aux(hs, cfg.aux_noise, dcfg.num_aux_layers, seed)
-        return (hs, b["input_ids"], b["attention_mask"], mask, b["target_hidden"], b.get("target_argmax"))
+        return (hs, b["input_ids"], b["attention_mask"], mask, b["target_hidden"], b.get(C.TARGET_ARGMAX))
 
     accept_k = min(cfg.accept_steps or cfg.ttt_steps, cfg.ttt_steps)
 
