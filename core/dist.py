@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,13 @@ def sequence_parallel_group(world: World, size: int):
         return None
     groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(world.world_size // size)]
     return groups[world.rank // size]
+
+
+def main_log(is_main: bool):
+    """print to stderr (flushed) on the main rank, nothing on the others: every job's progress lines."""
+    if not is_main:
+        return lambda *a: None
+    return lambda *a: print(*a, file=sys.stderr, flush=True)
 
 
 def barrier() -> None:

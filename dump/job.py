@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -253,7 +252,7 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
     tp, dp = cfg.tp, world.world_size // cfg.tp
     dp_rank, tp_rank = world.rank // tp, world.rank % tp
     writer_rank = tp_rank == 0
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if world.is_main else (lambda *a: None)
+    log = D.main_log(world.is_main)
     tokenizer = T.load_tokenizer(cfg.target, trust_remote_code=cfg.trust_remote_code)
     tok_info = T.tokenizer_info(tokenizer, T.remote_code_tokenizer(cfg.target) if cfg.trust_remote_code else None)
     manifest = DumpManifest(target=info, capture=CaptureSpec(hidden_state_indices=indices), tokenizer=tok_info,

@@ -1128,7 +1128,7 @@ def run_regenerate(cfg: RegenConfig) -> dict:
                        and resolve_kv_cache(cfg.kv_cache, world.device, cfg.max_prompt_tokens) else "dynamic",
                        "world_size": world.world_size}
     is_main = world is None or world.is_main
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if is_main else (lambda *a: None)
+    log = D.main_log(is_main)
     from eagle3.dump.conversations import data_sha256  # a file or a dataset directory
     inputs = [{"file": os.path.abspath(p), "sha256": data_sha256(p) if os.path.exists(p) else None}
               for p in cfg.data]

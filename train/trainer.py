@@ -19,7 +19,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 
 import torch
@@ -340,7 +339,7 @@ def train(cfg: TrainConfig) -> dict:
     torch.set_flush_denormal(True)
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     world = D.init_world("cuda" if on_gpu else "cpu")
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if world.is_main else (lambda *a: None)
+    log = D.main_log(world.is_main)
     run_dir = cfg.out
 
     # ---- the contract: dumps agree with each other (DumpSet), with the target, and with a resumed run
