@@ -252,9 +252,8 @@ def main():
                        "fast_full": [int(x) for x in a.full_tokens.split(",")],
                        "fast_fa2": [int(x) for x in a.fa2_tokens.split(",")]}[v]
             kernels.set_cuda_attention_kernel("flash" if v == "fast_fa2" else "auto")
-            sa = drafter.midlayer.self_attn
             attn = "sdpa" if v == "eager" else kernels.cuda_attention_kernel(
-                torch.empty(1, NH, 1, sa.qk_dim, device="cuda", dtype=torch.bfloat16), sa.v_dim)
+                torch.empty(1, NH, 1, drafter.midlayer.self_attn.qk_dim, device="cuda", dtype=torch.bfloat16))
             for T in allowed:
                 for ckpt in (["none", "mlp", "step"] if v.startswith("fast") else ["none"]):
                     torch.cuda.empty_cache()

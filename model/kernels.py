@@ -5,11 +5,11 @@ on the CPU; bench/train_step.py on the GPU), but saves fewer activations and syn
 * `rms_norm`: saves the input and one fp32 rstd per row (the plain module keeps two fp32 copies of the input).
 * `silu_mul`: silu(gate) * up from the fused [.., 2I] gate_up output, saving only that output.
 * `causal_plus_diagonal`: TTT attention (docs/contract.md §9) as one fused causal-attention call (cuDNN or
-  FlashAttention-2 on CUDA, or the memory-efficient kernel where pinned; torch's flash kernel on the CPU) over the step-0 keys plus the diagonal keys merged by
-  log-sum-exp. Backward re-uses the fused kernel's own backward: called with the MERGED output and MERGED
-  log-sum-exp, it yields exactly the step-0 keys' share of the gradient (the kernel uses `out` only for
-  D = rowsum(dO * out) and `lse` only to rebuild P, and both are the full softmax's), so no [T, (1+j)T] mask and no
-  log-sum-exp gradient are needed.
+  FlashAttention-2 on CUDA, or the memory-efficient kernel where pinned; torch's flash kernel on the CPU) over the
+  step-0 keys plus the diagonal keys merged by log-sum-exp. Backward re-uses the fused kernel's own backward: called
+  with the MERGED output and MERGED log-sum-exp, it yields exactly the step-0 keys' share of the gradient (the
+  kernel uses `out` only for D = rowsum(dO * out) and `lse` only to rebuild P, and both are the full softmax's), so
+  no [T, (1+j)T] mask and no log-sum-exp gradient are needed.
 * `linear_soft_cross_entropy`: draft lm_head + soft cross-entropy for all K steps in token chunks, gradients
   computed in forward (the loss is the last op), so [tokens, draft_vocab] logits never exist beyond one chunk.
 """
@@ -172,9 +172,8 @@ def set_cuda_attention_kernel(name: str) -> None:
     _cuda_attention = name
 
 
-def cuda_attention_kernel(q: torch.Tensor, v_dim: int | None = None) -> str:
-    """The kernel `causal_plus_diagonal` uses for this CUDA query tensor [B, h, T, d] and values of width v_dim
-    (default: d)."""
+def cuda_attention_kernel(q: torch.Tensor) -> str:
+    """The kernel `causal_plus_diagonal` uses for this CUDA query tensor [B, h, T, d]."""
     if _cuda_attention == "cudnn" and q.shape[-1] > CUDNN_MAX_HEAD_DIM:
         raise ValueError(f"attention kernel 'cudnn' was pinned but head_dim {q.shape[-1]} > {CUDNN_MAX_HEAD_DIM}, "
                          "where cuDNN has no attention backward; use 'auto', 'flash' or 'efficient'")
@@ -292,7 +291,7 @@ def _block_forward(q, k, v, scale, causal: bool):
     (CUDA and CPU), which take one head width: the padded output columns are zero and are dropped. The
     memory-efficient kernel ('efficient' pinned) takes them as they are."""
     dv = v.shape[-1]
-    kernel = cuda_attention_kernel(q, dv) if q.is_cuda else "cpu"
+    kernel = cuda_attention_kernel(q) if q.is_cuda else "cpu"
     if kernel == "efficient":
         return _efficient_forward(q, k, v, scale, causal)
     if dv != q.shape[-1]:
