@@ -20,6 +20,7 @@ import shutil
 import tempfile
 import time
 
+from eagle3.contract import method_of
 from eagle3.target.fingerprint import weights_fingerprint
 
 
@@ -58,7 +59,7 @@ def main() -> None:
         total = a.files * size
         for full in (False, True):
             s, out = timed(d, full)
-            rows.append({"what": f"{a.files} files x {a.gib} GiB written here", "method": out["sha256"].split(":")[0],
+            rows.append({"what": f"{a.files} files x {a.gib} GiB written here", "method": method_of(out["sha256"]),
                          "seconds": round(s, 4), "bytes": total, "read_gb_per_s": round(total / s / 1e9, 2)
                          if full else None, "per_file_ms": round(1000 * s / a.files, 2)})
     finally:
@@ -70,7 +71,7 @@ def main() -> None:
             path = example_target_dir(log=lambda *x: None)
         for full in (False, True):
             s, out = timed(path, full)
-            rows.append({"what": f"target {a.target}", "method": out["sha256"].split(":")[0], "seconds": round(s, 4),
+            rows.append({"what": f"target {a.target}", "method": method_of(out["sha256"]), "seconds": round(s, 4),
                          "bytes": out["bytes"], "files": out["files"]})
     sampled = next(r for r in rows if r["method"] == "sampled-v1")
     full = next(r for r in rows if r["method"] == "full-v1")

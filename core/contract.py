@@ -384,6 +384,12 @@ def load_manifest(dump_dir: str) -> DumpManifest:
     return m
 
 
+def method_of(weights_sha256: str) -> str:
+    """The digest method of a recorded weights_sha256 ("<method>:<sha256>", target/fingerprint.py): two digests
+    compare only when taken by the same method."""
+    return weights_sha256.split(":")[0]
+
+
 def require_same_capture(a: dict, b: dict, what_a: str, what_b: str) -> None:
     """Compare two identity dicts (see DumpManifest.identity) and fail loudly, naming every difference."""
     diffs = [f"  {k}: {a.get(k)!r} ({what_a}) != {b.get(k)!r} ({what_b})"
@@ -393,7 +399,7 @@ def require_same_capture(a: dict, b: dict, what_a: str, what_b: str) -> None:
         diffs.append("  (an empty weights_sha256: written before eagle3 made a target's weights part of its "
                      "identity, or by a --server regeneration whose --target copy held no weights; what it was made "
                      "from cannot be checked: make it again with this eagle3 and the target's weights)")
-    elif any(k.endswith("weights_sha256") and a.get(k) and b.get(k) and a[k].split(":")[0] != b[k].split(":")[0]
+    elif any(k.endswith("weights_sha256") and a.get(k) and b.get(k) and method_of(a[k]) != method_of(b[k])
              for k in set(a) | set(b)):
         diffs.append("  (the two weights digests were taken by different methods, sampled and full: give the "
                      "same --full-weights-digest choice to both)")

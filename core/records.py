@@ -8,19 +8,24 @@ eagle3 does not know are kept (`extra`) and written back, so a newer writer's re
 
 The file names of a run directory and of an export directory live here too: the trainer writes them, the export
 and eval read them, and neither should import the other to learn a name.
+
+So does what the dump reads of a regeneration (`eagle3 regenerate`, which runs before it): the target identity a
+regenerate.json records and the check that the dump's own target wrote the data (`data_sources`), so that neither
+stage imports the other.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable
 
 from eagle3 import dist as D
-from eagle3.contract import (HF_INDEX_CONVENTION, STANDARDIZE_VERSION, CaptureSpec, ContractError, TargetInfo, canonical_json, file_sha256,
-                             read_json, sha256_bytes)
+from eagle3.contract import (HF_INDEX_CONVENTION, STANDARDIZE_VERSION, CaptureSpec, ContractError, TargetInfo,
+                             TokenizerInfo, canonical_json, file_sha256, method_of, read_json, sha256_bytes)
 
 # ------------------------------------------------------------------------------------------------ file names
 
@@ -40,6 +45,9 @@ EXPORT_CONFIG_FILE = "config.json"
 EXPORT_WEIGHTS_FILE = "model.safetensors"
 PROVENANCE_FILE = "eagle3_provenance.json"
 EXPORT_FILES = (EXPORT_CONFIG_FILE, EXPORT_WEIGHTS_FILE, PROVENANCE_FILE)
+
+# A regeneration's output directory (regenerate/ writes it): its record, which the dump finds beside the data.
+REGENERATE_FILE = "regenerate.json"
 
 RUN_FORMAT = "eagle3-run"
 EXPORT_FORMAT = "eagle3-export"
@@ -274,13 +282,13 @@ _PROV = [("format", (str,), _REQUIRED), ("format_version", (int,), _REQUIRED), (
          ("cuda_graph_default_capture", (INTS, None), None), ("server_command", (str,), ""),
          ("identity", (dict,), {}), ("run_dir", (str, None), None), ("step", (int, None), None),
          ("checkpoint", (str, None), None), ("standardize", (str, None), None), ("drafter", (dict,), {}),
-         ("vocab", (dict,), {}), ("notes", (list,), []), ("created", (str,), ""),
+         ("vocab", (dict,), {}), ("heldout", (dict, None), None), ("notes", (list,), []), ("created", (str,), ""),
          ("model_safetensors_sha256", (str, None), None)]
 _PROV_ORDER = ["format", "format_version", "engine", "sglang_release", "vllm_release", "serving_family",
                "architecture", "options", "draft_kv_bytes_per_token", "capture",
                "eagle_aux_hidden_state_layer_ids", "served_capture_indices", "ids_reproduce_capture_in_sglang",
                "needs_disable_cuda_graph", "cuda_graph_default_capture", "server_command", "target", "identity",
-               "run_dir", "step", "checkpoint", "standardize", "drafter", "vocab", "notes", "created",
+               "run_dir", "step", "checkpoint", "standardize", "drafter", "vocab", "heldout", "notes", "created",
                "model_safetensors_sha256"]
 # The provenance lists the target's fields in its own order (not TargetInfo's).
 _PROV_TARGET_ORDER = ["architecture", "model_type", "config_sha256", "weights_sha256", "num_hidden_layers",
@@ -314,6 +322,9 @@ class ExportProvenance:
     standardize: str | None = None
     drafter: dict = field(default_factory=dict)
     vocab: dict = field(default_factory=dict)
+    # the held-out record of the exported weights (checkpoints/best: step, acc_j, the decoding replay at every chain
+    # length up to training's, decode_by_steps), which `eagle3 eval --draft-steps auto` weighs against measured costs
+    heldout: dict | None = None
     notes: list = field(default_factory=list)
     created: str = ""
     model_safetensors_sha256: str | None = None
@@ -384,3 +395,74 @@ def check_files(ckpt_dir: str, rec: CheckpointRecord, names: list[str] | None = 
     if problems:
         raise CheckpointError(f"checkpoint {ckpt_dir} fails its check against {record_path}:\n  "
                               + "\n  ".join(problems))
+
+
+# ------------------------------------------------------------------------------- where regenerated data came from
+
+def identity_of(target: dict | None, tokenizer: dict | None) -> dict | None:
+    """The hashes that say whether text was written by a given target (compared by the dump): its config, its
+    weights ('' when a --server run's --target copy holds no weights: then nothing can vouch for them), its
+    tokenizer and chat template."""
+    if not target or not tokenizer:
+        return None
+    return {"config_sha256": target["config_sha256"], "weights_sha256": target.get("weights_sha256", ""),
+            "tokenizer_sha256": tokenizer["sha256"], "chat_template_sha256": tokenizer["chat_template_sha256"]}
+
+
+def data_sources(paths: list[str], target: TargetInfo, tokenizer: TokenizerInfo, allow_foreign: bool,
+                 weights_digest_like: Callable[[str], str]) -> list[dict]:
+    """For each data file with a regenerate.json beside it: check that the same target (config, tokenizer and chat
+    template hashes) wrote it -- ContractError naming both unless allow_foreign -- and describe the source for
+    the dump manifest. Files without a regenerate.json are not listed. weights_digest_like(recorded): the target's
+    weights digested by the method of a recorded digest (target_info(..., like=)); called once per method other
+    than the target's own, and only when a record used it (a full digest reads every byte of the weights)."""
+    ours = identity_of(asdict(target), asdict(tokenizer))
+    digests = {method_of(target.weights_sha256 or ""): target.weights_sha256}  # ours, by digest method
+
+    def but_weights(d: dict) -> dict:
+        return {k: v for k, v in d.items() if k != "weights_sha256"}
+    sources = []
+    for p in paths:
+        rec_path = os.path.join(os.path.dirname(os.path.abspath(p)), REGENERATE_FILE)
+        if not os.path.isfile(rec_path):
+            continue
+        try:
+            with open(rec_path, encoding="utf-8") as f:
+                rec = json.load(f)
+            theirs = rec.get("identity")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ContractError(f"{rec_path}: unreadable regenerate record ({e})") from e
+        writer = f"{rec.get('backend')} model {rec.get('model')}"
+        mine = ours
+        if isinstance(theirs, dict) and theirs.get("weights_sha256"):
+            method = method_of(theirs["weights_sha256"])
+            if method not in digests:  # digested by the other method: ours taken likewise, once for all files
+                digests[method] = weights_digest_like(theirs["weights_sha256"])
+            mine = dict(ours, weights_sha256=digests[method])
+        if theirs != mine and not allow_foreign:
+            same_else = isinstance(theirs, dict) and but_weights(theirs) == but_weights(mine)
+            if theirs is None:
+                why = (f"{p} was regenerated by {writer} with no target identity recorded (a --server run without "
+                       f"--target), so it cannot be checked against the target {target.path}")
+            elif same_else and not theirs.get("weights_sha256"):
+                why = (f"{p} was regenerated by {writer} with no weights recorded (its --target had none, or it was "
+                       f"written before eagle3 recorded them), so nothing says the served model is {target.path}, "
+                       "whose config and tokenizer it shares")
+            elif same_else:
+                why = (f"{p} was regenerated by a target with this config and tokenizer but OTHER WEIGHTS ({writer}: "
+                       f"weights {theirs.get('weights_sha256')}; this dump's target {target.path}: weights "
+                       f"{mine['weights_sha256']}): a fine-tune, another revision or another model")
+            else:
+                why = (f"{p} was regenerated by another target: {writer} (config {theirs.get('config_sha256')}, "
+                       f"tokenizer {theirs.get('tokenizer_sha256')}, chat template "
+                       f"{theirs.get('chat_template_sha256')}), but this dump's target is {target.path} (config "
+                       f"{mine['config_sha256']}, tokenizer {mine['tokenizer_sha256']}, chat template "
+                       f"{mine['chat_template_sha256']})")
+            raise ContractError(f"{why}; a drafter learns best from its own target's answers. "
+                                "Pass --allow-foreign-data to dump it anyway")
+        sources.append({"file": os.path.abspath(p), "sha256": file_sha256(p), "regenerate_json": rec_path,
+                        "backend": rec.get("backend"), "model": rec.get("model"), "servers": rec.get("servers"),
+                        "sampling": rec.get("sampling"), "reasoning": rec.get("reasoning"), "identity": theirs,
+                        "identity_matches_target": theirs == mine, "status": rec.get("status"),
+                        "counts": rec.get("counts")})
+    return sources

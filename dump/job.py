@@ -23,9 +23,9 @@ from eagle3 import dist as D
 from eagle3.batching import group_by_length
 from eagle3.contract import CaptureSpec, ContractError, DumpManifest
 from eagle3.dump import shards as S
+from eagle3.records import data_sources
 from eagle3.target import load as T
 from eagle3.target.capture import ARGMAX, HiddenStateCapture, verify_full_width
-from eagle3.dump.regenerate import data_sources
 
 MANIFEST = C.MANIFEST_FILE
 DUMP_CONFIG = "dump_config.json"
@@ -259,8 +259,10 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
                             dtype=str(dtype).removeprefix("torch."), storage=cfg.storage,
                             max_length=cfg.max_length, tp_size=tp,
                             dp_size=dp, data_files=[os.path.abspath(p) for p in cfg.data],
-                            # regenerated data must come from this target (ContractError otherwise)
-                            data_sources=data_sources(cfg.data, info, tok_info, cfg.allow_foreign_data))
+                            # regenerated data must come from this target (ContractError otherwise); a record
+                            # whose weights were digested by the other method is compared with ours taken likewise
+                            data_sources=data_sources(cfg.data, info, tok_info, cfg.allow_foreign_data,
+                                                      lambda like: T.target_info(info.path, like=like).weights_sha256))
     log(f"[dump] target {info.architecture} L={info.num_hidden_layers} H={info.hidden_size}; capturing "
         f"{C.describe(indices)} + post-norm final state; world {world.world_size} = dp {dp} x tp {tp}")
 

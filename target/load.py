@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from eagle3.contract import TargetInfo, TokenizerInfo, config_hash, sha256_bytes
+from eagle3.contract import TargetInfo, TokenizerInfo, config_hash, method_of, sha256_bytes
 from eagle3.target import int4_experts as I
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -85,7 +85,7 @@ def target_info(target_dir: str, full_weights: bool = False, like: str | None = 
     cfg = read_config(target_dir)
     text = text_config_dict(cfg)
     if like:
-        full_weights = like.startswith(FULL + ":")
+        full_weights = method_of(like) == FULL
     try:
         info = dict(path=os.path.abspath(target_dir), architecture=(cfg.get("architectures") or ["?"])[0],
                     num_hidden_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),

@@ -151,7 +151,9 @@ def test_a_resume_with_the_other_target_and_a_vocab_of_its_dump_are_refused(twin
 def test_regenerated_data_of_the_other_weights(twins, tmp_path):
     """A regeneration resumed with the fine-tune is refused; a dump of the base over the fine-tune's answers names
     the weights."""
-    from eagle3.dump.regenerate import CONVERSATIONS, RegenConfig, run_regenerate
+    from eagle3.regenerate.config import RegenConfig
+    from eagle3.regenerate.files import CONVERSATIONS
+    from eagle3.regenerate.job import run_regenerate
     from tiny import write_conversations
     base, tuned = twins
     chats = write_conversations(tmp_path / "chats.jsonl", n=6, seed=2)

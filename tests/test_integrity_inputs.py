@@ -47,7 +47,8 @@ def test_the_same_data_twice_is_refused(tiny_targets, convs, tmp_path):
             run_dump(DumpConfig(target=tiny_targets["llama"], data=data, out=str(tmp_path / "d"), layers=[1],
                                 dtype="fp32", progress=False))
         assert not (tmp_path / "d").exists()
-    from eagle3.dump.regenerate import RegenConfig, run_regenerate
+    from eagle3.regenerate.config import RegenConfig
+    from eagle3.regenerate.job import run_regenerate
     with pytest.raises(DataError, match="the same file twice"):
         run_regenerate(RegenConfig(data=[convs, convs], out=str(tmp_path / "r"), target=tiny_targets["llama"],
                                    engine="hf", progress=False))

@@ -380,7 +380,8 @@ def test_regenerate_runs_a_tokenizer_shipped_as_code_only_behind_the_flag(slow_r
     """eagle3 regenerate --engine hf with Kimi's kind of tokenizer: refused without --trust-remote-code; with it, the
     greedy answers equal those written through the fast tokenizer of the same model, and regenerate.json records
     the shipped code that ran."""
-    from eagle3.dump.regenerate import RegenConfig, run_regenerate
+    from eagle3.regenerate.config import RegenConfig
+    from eagle3.regenerate.job import run_regenerate
     from eagle3.target.load import TargetError
     kw = dict(engine="hf", max_new_tokens=8, batch_size=4, num_samples=4, max_turns=1, progress=False)
     with pytest.raises(TargetError, match="--trust-remote-code"):

@@ -15,7 +15,7 @@ def test_no_bare_top_level_stage_modules(tmp_path):
     up in a fresh interpreter run outside the checkout (a `python -m pytest` puts the checkout itself on sys.path,
     where its folders are importable by their bare names whatever the install does), so the answer does not depend
     on what the clone's folder is called."""
-    names = ("dump", "data", "train", "export", "eval", "target", "cli", "core", "model")
+    names = ("dump", "data", "train", "export", "eval", "target", "cli", "core", "model", "regenerate")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     code = ("import importlib.util, json, eagle3; "
             f"print(json.dumps({{n: (importlib.util.find_spec(n) or None) and importlib.util.find_spec(n).origin "
@@ -36,8 +36,20 @@ def test_core_imports_no_stage():
     for f in os.listdir(core):
         if f.endswith(".py"):
             text = open(os.path.join(core, f)).read()
-            for stage in ("dump", "data", "train", "export", "eval", "target", "cli"):
+            for stage in ("dump", "data", "train", "export", "eval", "target", "cli", "regenerate"):
                 assert f"eagle3.{stage}" not in text, (f, stage)
+
+
+def test_the_dump_imports_no_regeneration_and_neither_job_the_cli():
+    """regenerate runs before the dump, which learns where its data came from through eagle3.records, never by
+    importing the earlier stage; and neither job imports the CLI (only the `python -m` launchers do, which nothing
+    imports)."""
+    code = ("import sys, eagle3.dump.job; a = sorted(m for m in sys.modules if m.startswith(('eagle3.regenerate', "
+            "'eagle3.cli'))); import eagle3.regenerate.job; b = sorted(m for m in sys.modules "
+            "if m.startswith('eagle3.cli')); print(a, b)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[] []", r.stdout
 
 
 def test_a_type_checker_resolves_eagle3():

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ("README.md", os.path.join("docs", "usage.md"))
-LAUNCHED = {"eagle3.dump": "dump", "eagle3.dump.regenerate": "regenerate", "eagle3.train": "train"}
+LAUNCHED = {"eagle3.dump": "dump", "eagle3.regenerate": "regenerate", "eagle3.train": "train"}
 
 
 def commands(doc: str) -> list[tuple[int, str]]:
@@ -83,7 +83,7 @@ TWIN = [(r"/models/m\b", "{target}"),  # $T, as commands() writes it
         (r"\bsharegpt\.jsonl\b", "{chats}"), (r"\bmtbench\.jsonl\b", "{chats}"),
         (r"--drafter llama-3\.1-8b", "--drafter tiny --draft-vocab-size 64"),
         (r"--max-new-tokens 1024", "--max-new-tokens 8"), (r"--draft-steps 5", "--draft-steps 2 --num-prompts 2"),
-        (r"^torchrun --nproc-per-node 8 -m eagle3\.dump\.regenerate", "eagle3 regenerate"),
+        (r"^torchrun --nproc-per-node 8 -m eagle3\.regenerate", "eagle3 regenerate"),
         (r"^torchrun --nproc-per-node 8 -m eagle3\.dump", "eagle3 dump"),
         (r"^deepspeed --num_gpus 8 --module eagle3\.train", "eagle3 train --no-progress --token-budget 256 --held-out-fraction 0.3 --eval-interval 2")]
 

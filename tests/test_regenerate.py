@@ -16,8 +16,12 @@ import torch
 
 from eagle3.contract import ContractError, file_sha256, load_manifest
 from eagle3.dump.conversations import DataError, read_conversations, render_and_mask
-from eagle3.dump.regenerate import (CONVERSATIONS, ERRORS, RECORD_FILE, SKIPPED, HFEngine, RegenConfig,
-                                    derive_seed, plan_batches, read_items, run_regenerate)
+from eagle3.records import REGENERATE_FILE
+from eagle3.regenerate.config import RegenConfig
+from eagle3.regenerate.files import CONVERSATIONS, ERRORS, SKIPPED
+from eagle3.regenerate.hf_engine import HFEngine, plan_batches
+from eagle3.regenerate.items import derive_seed, read_items
+from eagle3.regenerate.job import run_regenerate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FILES = (CONVERSATIONS, ERRORS, SKIPPED)
@@ -164,7 +168,7 @@ def test_engine_generate_is_token_exact_with_naive_greedy(word_target, batching,
 
 
 def test_generate_calls_bound_budget_and_padding():
-    from eagle3.dump.regenerate import generate_calls
+    from eagle3.regenerate.hf_engine import generate_calls
     g = torch.Generator().manual_seed(0)
     lengths = [int(x) for x in torch.randint(20, 4000, (300,), generator=g)] + [4000] * 5
     calls = generate_calls(lengths, budget=40000)
@@ -255,7 +259,7 @@ def test_resume_after_a_kill_is_byte_identical(word_target, chats, tmp_path, tem
     # finished OUT there: nothing is generated again and the answers stay as they are
     import shutil
     (tmp_path / "carried").mkdir()
-    for name in (CONVERSATIONS, RECORD_FILE):
+    for name in (CONVERSATIONS, REGENERATE_FILE):
         shutil.copy(tmp_path / "full" / name, tmp_path / "carried" / name)
     carried = regen(chats, tmp_path / "carried", word_target, **kw)
     assert carried["this_run"]["conversations"] == 0 and carried["counts"] == full["counts"]
@@ -296,7 +300,7 @@ def _torchrun_regenerate(n, *args, check=True):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--standalone",
-           "-m", "eagle3.dump.regenerate", *map(str, args), "--dtype", "fp32", "--no-progress"]
+           "-m", "eagle3.regenerate", *map(str, args), "--dtype", "fp32", "--no-progress"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     if check:
         assert r.returncode == 0, r.stderr[-4000:]
@@ -316,7 +320,7 @@ def test_data_parallel_equals_one_process_also_after_a_kill(word_target, chats, 
     _torchrun_regenerate(2, *args)  # resumes from the part files
     assert file_bytes(tmp_path / "dp") == file_bytes(tmp_path / "one")
     assert not [p for p in os.listdir(tmp_path / "dp") if ".rank" in p]
-    rec = json.load(open(tmp_path / "dp" / RECORD_FILE))
+    rec = json.load(open(tmp_path / "dp" / REGENERATE_FILE))
     assert rec["engine"]["world_size"] == 2 and rec["counts"] == ref["counts"]
 
 
@@ -491,7 +495,7 @@ def test_max_turns_and_max_prompt_tokens(word_target, chats, tmp_path):
     assert rec["counts"]["conversations"] + rec["counts"]["errors"] == len(items)
     # prompts too long are the data's, not failures of the run: about half of them here, and the run is complete
     # (with the default --max-error-rate 0.1 it would otherwise have failed)
-    from eagle3.dump.regenerate import check_record
+    from eagle3.regenerate.record import check_record
     assert rec["status"] == "complete" and check_record(rec) is None
 
 
@@ -515,7 +519,7 @@ def test_server_that_always_fails(chats, tmp_path):
                                                                             (2, "server", 0)]
     assert all("HTTP 500" in e["error"] and url in e["error"] and "(2 attempts)" in e["error"] for e in errors)
     assert len(requests) == 6 and read_jsonl(tmp_path / "out" / CONVERSATIONS) == []
-    rec = json.load(open(tmp_path / "out" / RECORD_FILE))
+    rec = json.load(open(tmp_path / "out" / REGENERATE_FILE))
     assert rec["status"] == "failed" and rec["errors"] == {"server": 3}
     with fake_server() as url:  # the server is fixed: a rerun fills the errors in
         r = cli("--data", chats, "--out", tmp_path / "out", "--server", url, "--num-samples", 3)
@@ -602,7 +606,7 @@ def test_llama_cpp_server_kill_and_resume(llama_data, tmp_path):
         servers.append(proc)
         r = cli("--out", tmp_path / "ref", "--server", url, *args)
         assert r.returncode == 0, r.stderr[-3000:]
-        ref = json.load(open(tmp_path / "ref" / RECORD_FILE))
+        ref = json.load(open(tmp_path / "ref" / REGENERATE_FILE))
         items, _, _ = read_items([llama_data], None)
         convs = read_jsonl(tmp_path / "ref" / CONVERSATIONS)
         assert [c["sample_index"] for c in convs] == [it.sample_index for it in items]
@@ -632,7 +636,7 @@ def test_llama_cpp_server_kill_and_resume(llama_data, tmp_path):
         kept = read_jsonl(tmp_path / "cut" / CONVERSATIONS)
         assert 2 <= len(kept) < 10
         assert kept == [c for c in convs if c["sample_index"] in {k["sample_index"] for k in kept}]
-        cut = json.load(open(tmp_path / "cut" / RECORD_FILE))
+        cut = json.load(open(tmp_path / "cut" / REGENERATE_FILE))
         assert cut["status"] == "incomplete" and cut["counts"]["pending"] == 10 - len(kept)
 
         proc, url = start_llama(gguf, tmp_path / "llama2.log")  # back (on another port)

@@ -11,7 +11,9 @@ import time
 
 import pytest
 
-from eagle3.dump.regenerate import CONFIG_FILE, CONVERSATIONS, ERRORS, RECORD_FILE, check_record
+from eagle3.records import REGENERATE_FILE
+from eagle3.regenerate.files import CONFIG_FILE, CONVERSATIONS, ERRORS
+from eagle3.regenerate.record import check_record
 from test_regenerate import chats, fake_server, read_jsonl, regen  # noqa: F401 (fixture)
 
 
@@ -88,7 +90,7 @@ def test_timeout_bounds_a_whole_request_and_the_probe(chats, tmp_path):  # noqa:
                                           retries=0, timeout=2.0), 60)
     assert took < 30 and rec["counts"]["errors"] == 4
     assert all("within --timeout 2 s" in e["error"] for e in read_jsonl(tmp_path / "out" / ERRORS))
-    from eagle3.dump.regenerate import ServerError
+    from eagle3.regenerate.server_client import ServerError
     with fake_server("--hostile", "trickle-models") as url:
         with pytest.raises(ServerError, match="no whole answer within 2 s"):
             bounded(lambda: regen(chats, tmp_path / "probe", servers=[url], timeout=2.0), 60)
@@ -106,7 +108,7 @@ def test_hf_engine_cuts_at_a_clean_token_boundary():
     """A byte-level tokenizer whose tokens split 'é' (2 bytes) in two: an answer cut after the first half."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from eagle3.dump.regenerate import HFEngine
+    from eagle3.regenerate.hf_engine import HFEngine
     byte = pre_tokenizers.ByteLevel.alphabet()
     vocab = {c: i for i, c in enumerate(sorted(byte))}
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -150,5 +152,5 @@ def test_server_flags_are_checked_before_anything(chats, tmp_path, kw, match):  
 def test_record_of_a_failed_run_is_written(chats, tmp_path):  # noqa: F811
     with fake_server("--hostile", "number-content") as url:
         bounded(lambda: regen(chats, tmp_path / "out", servers=[url], num_samples=3, retries=0), 60)
-    rec = json.loads((tmp_path / "out" / RECORD_FILE).read_text())
+    rec = json.loads((tmp_path / "out" / REGENERATE_FILE).read_text())
     assert rec["status"] == "failed" and rec["counts"]["errors"] == 3
