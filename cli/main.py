@@ -103,7 +103,7 @@ def cmd_dump(a: argparse.Namespace) -> None:
 
 
 def _add_regenerate(p: argparse.ArgumentParser) -> None:
-    from eagle3.dump.regenerate import BATCHING, KV_CACHES, REASONING_MODES, RegenConfig
+    from eagle3.regenerate.config import BATCHING, KV_CACHES, REASONING_MODES, RegenConfig
     d = RegenConfig(data=[], out="")
     p.add_argument("--data", nargs="+", required=True,
                    help="conversation files (.jsonl/.json/.parquet; ShareGPT or messages), datasets directories, "
@@ -116,7 +116,7 @@ def _add_regenerate(p: argparse.ArgumentParser) -> None:
                      help="OpenAI-compatible base URL(s), e.g. http://127.0.0.1:30000/v1 (SGLang, vLLM, llama.cpp)")
     src.add_argument("--engine", choices=["hf"], default=None,
                      help="hf: generate with the target through transformers (needs --target; torchrun "
-                          "--nproc-per-node N -m eagle3.dump.regenerate ... for data parallelism)")
+                          "--nproc-per-node N -m eagle3.regenerate ... for data parallelism)")
     src.add_argument("--target", default=None,
                      help="target model directory, or 'example'. --engine hf: the model that writes. --server: "
                           "optional local copy of the served model's config + tokenizer, recorded as the target "
@@ -178,7 +178,10 @@ def _add_regenerate(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_regenerate(a: argparse.Namespace) -> None:
-    from eagle3.dump.regenerate import RegenConfig, ServerError, check_record, run_regenerate
+    from eagle3.regenerate.config import RegenConfig
+    from eagle3.regenerate.job import run_regenerate
+    from eagle3.regenerate.record import check_record
+    from eagle3.regenerate.server_client import ServerError
     target, data = resolve_example(a.target, a.data)
     cfg = RegenConfig(data=data, out=a.out, target=target, servers=a.server, engine=a.engine, model=a.model,
                       api_key=a.api_key, concurrency=a.concurrency, timeout=a.timeout, retries=a.retries,
@@ -225,6 +228,10 @@ def cmd_eval(a: argparse.Namespace) -> None:
     keys = ("acceptance_length", "acceptance_rate_per_position", "tokens_per_target_forward", "speedup", "lossless",
             "capture_indices", "prompts", "generated_tokens")
     print(json.dumps({k: rep[k] for k in keys}, indent=1))
+    if rep.get("draft_steps_choice"):
+        c = rep["draft_steps_choice"]
+        print(f"draft steps (auto): {c['chosen']}; predicted speedup {c['predicted_speedup']:.2f}x, measured "
+              f"{rep['speedup']:.2f}x")
     if not rep["lossless"]:
         raise SystemExit(f"speculative output differs from target-only greedy on {len(rep['mismatches'])} prompts")
 
@@ -287,6 +294,18 @@ def _step_arg(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--step {text!r}: a step number or 'best'") from None
+
+
+def _draft_steps_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"--draft-steps {text!r}: a positive chain length or 'auto'")
+    return k
 
 
 def _add_export_sglang(sub) -> None:
@@ -468,6 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train dtype (default: bf16 on a GPU and on a CPU with fast bf16 GEMMs, else fp32)")
     p.add_argument("--loss-tokens", default=None, choices=["assistant", "all"],
                    help="train: learn at the assistant's tokens only (the trainer's default) or at every real token")
+    p.add_argument("--loss", default=None, choices=["kl", "lk", "lk-hybrid"],
+                   help="train: the objective, soft cross-entropy (kl, the trainer's default) or the LK losses on the "
+                        "expected acceptance (lk, lk-hybrid with the trainer's default weights; eagle3 train --help)")
     p.add_argument("--max-turns", type=int, default=q.max_turns, help="regenerate: assistant turns per conversation")
     p.add_argument("--train-steps", type=int, default=None,
                    help="default: 2000 on a GPU; on a CPU 700 with fast bf16 GEMMs, else 500")
@@ -485,7 +507,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"train: {what} (default: {default}, the example training preset's)")
     p.add_argument("--ttt-steps", type=int, default=None,
                    help="training-time-test unroll (default: --draft-steps on a CPU, the preset's on a GPU)")
-    p.add_argument("--draft-steps", type=int, default=q.draft_steps, help="chain length in the eval")
+    p.add_argument("--draft-steps", type=_draft_steps_arg, default=q.draft_steps,
+                   help="chain length in the eval, or 'auto' (the default): training replays every length up to "
+                        "--max-draft-steps on held-out answers, the eval measures what each costs on this machine "
+                        "and decodes at the fastest (eval --draft-steps auto)")
+    p.add_argument("--max-draft-steps", type=int, default=None,
+                   help="with --draft-steps auto: the longest chain considered (default: 5 on a CPU, 7 on a GPU)")
     p.add_argument("--eval-prompts", type=int, default=q.eval_prompts, help="eval: held-out prompts decoded")
     p.add_argument("--max-new-tokens", type=int, default=q.max_new_tokens, help="eval: tokens per prompt")
     p.add_argument("--held-out-fraction", type=float, default=q.held_out_fraction,
@@ -500,7 +527,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True,
                    help="conversations (ShareGPT / messages: the first user turn of each is a prompt) or MT-bench "
                         "questions ({\"turns\": [...]}: the first turn of each is a prompt); .jsonl/.json/.parquet")
-    p.add_argument("--draft-steps", type=int, default=5, help="draft chain length: tokens proposed per round")
+    p.add_argument("--draft-steps", type=_draft_steps_arg, default=5,
+                   help="draft chain length: tokens proposed per round (default 5), or 'auto': the length with the "
+                        "best predicted speedup, from the held-out replay at every length that the export's "
+                        "provenance records (eagle3 train's checkpoints/best) and the costs of a target verify "
+                        "forward, a draft step and the rest of a round measured here first; eval.json then holds "
+                        "every length's prediction and the predicted speedup beside the measured one")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per prompt")
     p.add_argument("--num-prompts", type=int, default=20, help="prompts decoded (the first ones of --prompts)")
     p.add_argument("--out", default=None, help="write eval.json and acceptance.png here")

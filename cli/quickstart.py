@@ -27,6 +27,7 @@ class QuickstartConfig:
     init_head: str | None = None     # train: 'target' or 'random' draft head (default: the trainer's)
     loss_tokens: str | None = None   # train: 'assistant' or 'all' positions in the loss (default: the trainer's)
     aux_noise: float | None = None   # train: feature noise on the captured states (default: the trainer's, off)
+    loss: str | None = None          # train: 'kl', 'lk' or 'lk-hybrid' objective (default: the trainer's, kl)
     train_dtype: str | None = None   # train: 'bf16' or 'fp32'; default bf16 on a GPU and on a CPU whose bf16 GEMMs are
                                      # fast (core/cpu.py), else fp32
     temperature: float = 0.0         # regenerate: sampling temperature (0 = greedy, as greedy serving decodes)
@@ -39,7 +40,9 @@ class QuickstartConfig:
     fc_norm: bool | None = None      # train: the EAGLE-3.1 options (default: the drafter preset's)
     norm_before_fc: bool | None = None
     norm_output: bool | None = None
-    draft_steps: int = 5             # chain length in eval (and training's held-out decoding replay)
+    draft_steps: int | str = "auto"  # chain length in eval; "auto": the fastest by measurement (eval/chain_length.py)
+    max_draft_steps: int | None = None  # with "auto": the longest chain considered (5 on a CPU, 7 on a GPU); it is
+                                     # training's held-out replay length (and the CPU's TTT unroll)
     ttt_steps: int | None = None     # training-time-test unroll; default: draft_steps on a CPU, the preset's on a GPU
     eval_prompts: int = 8
     max_new_tokens: int = 64
@@ -66,6 +69,33 @@ def held_out_prompts(data_file: str, held_indices: set[int], after: int, n: int,
     with open(out_path, "w") as f:
         f.writelines(picked)
     return out_path
+
+
+def chain_length_rows(report: dict) -> list[tuple[str, str]]:
+    """The summary's account of --draft-steps auto: each length's predicted speedup and the one chosen."""
+    c = report.get("draft_steps_choice")
+    if not c:
+        return [("chain length", f"{report['draft_steps']} (fixed)")]
+    preds = " ".join(f"{v['steps']}: {v['decode_speedup']:.2f}x" for v in c["predicted"])
+    return [("chain length", f"{c['chosen']}, chosen by measurement: predicted decode speedup by length {preds} "
+                             "(held-out replay x costs measured on this machine)")]
+
+
+def speedup_line(report: dict) -> str:
+    """The measured speedup, said plainly when it is a slowdown (never a number to be misread as a gain)."""
+    s = report["speedup"]
+    rates = (f"{report['spec_tokens_per_s']:.1f} vs {report['baseline_tokens_per_s']:.1f} tok/s, "
+             f"{report['tokens_per_target_forward']:.2f} tokens per target forward")
+    c = report.get("draft_steps_choice")
+    pred = f"; predicted {c['predicted_speedup']:.2f}x" if c else ""
+    line = f"{s:.2f}x wall clock vs target-only greedy ({report['device']}, fp32); {rates}{pred}"
+    if s < 1.0:
+        best = max((v["decode_speedup"] for v in c["predicted"]), default=None) if c else None
+        why = (f"no chain length is predicted to pay on this machine (best {best:.2f}x)" if best is not None
+               and best < 1.0 else "the measured rounds cost more than the replay and the measured costs predicted")
+        line = (f"SLOWER: speculative decoding ran at {s:.2f}x the target alone on this machine ({rates}{pred}): "
+                f"{why}. The drafter's acceptance is what a GPU server gains from; see the README, 'Chain length'")
+    return line
 
 
 def _evaluate_child(kwargs: dict) -> None:
@@ -103,8 +133,10 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     from eagle3.dump.example import example_sharegpt_jsonl
     from eagle3.dump.example import example_target_dir
     from eagle3.dump.job import DumpConfig, run_dump
-    from eagle3.dump.regenerate import CONVERSATIONS, RegenConfig, run_regenerate
     from eagle3.export.sglang import export_drafter, server_command
+    from eagle3.regenerate.config import RegenConfig
+    from eagle3.regenerate.files import CONVERSATIONS
+    from eagle3.regenerate.job import run_regenerate
     from eagle3.train.config import TrainConfig, load_yaml
     from eagle3.train.trainer import drafter_config, train
 
@@ -136,6 +168,8 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     os.makedirs(q.out, exist_ok=True)
     t_start, times = time.perf_counter(), {}
     N = 7
+    # the longest chain training replays (at every length up to it) and, on a CPU, unrolls
+    K = q.draft_steps if q.draft_steps != "auto" else (q.max_draft_steps or (7 if on_gpu else 5))
 
     _stage(1, N, "regenerate: SmolLM2-135M-Instruct writes the answers of ShareGPT conversations (--engine hf)")
     t0 = time.perf_counter()
@@ -185,7 +219,7 @@ def run_quickstart(q: QuickstartConfig) -> dict:
                   # checkpoints along the way (a run never ends with nothing saved), held-out decoding replays
                   # at the eval's chain length and answer length, and the best of them kept for the export
                   save_interval=max(1, train_steps // 4), eval_interval=max(1, train_steps // 10),
-                  accept_steps=q.draft_steps, accept_max_new_tokens=q.max_new_tokens, keep_best=True,
+                  accept_steps=K, accept_max_new_tokens=q.max_new_tokens, keep_best=True,
                   num_workers=1, progress=q.progress,
                   resume=os.path.isfile(os.path.join(run_dir, "checkpoints", "latest")))
     if q.lr:
@@ -196,13 +230,15 @@ def run_quickstart(q: QuickstartConfig) -> dict:
         fields["loss_tokens"] = q.loss_tokens
     if q.aux_noise is not None:
         fields["aux_noise"] = q.aux_noise
+    if q.loss:
+        fields["loss"] = q.loss
     from eagle3.model.config import OPTIONS
     for option in OPTIONS:
         if getattr(q, option) is not None:
             fields[option] = getattr(q, option)
     if q.norm_before_fc and q.fc_norm is None:  # exclusive with the example preset's fc_norm: asking for one is
         fields["fc_norm"] = False                # asking for it instead of the other
-    fields["ttt_steps"] = q.ttt_steps or (fields.get("ttt_steps", 7) if on_gpu else q.draft_steps)
+    fields["ttt_steps"] = q.ttt_steps or (fields.get("ttt_steps", 7) if on_gpu else K)
     if fields["resume"]:
         print("[quickstart] a training run is already there; resuming it (nothing left to do if done)",
               file=sys.stderr)
@@ -229,7 +265,10 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     held = {r.sample_index for r in held_refs}
     last = max(r.sample_index for r in dumps.refs)
     prompts = held_out_prompts(data, held, last, q.eval_prompts, os.path.join(q.out, "heldout_prompts.jsonl"))
-    report = evaluate_in_fresh_process(target, export_dir, prompts, draft_steps=q.draft_steps,
+    # "auto" weighs the export's held-out replay at every length (checkpoints/best records it) against the costs the
+    # eval measures first; a run without a held-out split has no replay, and decodes at the longest chain
+    eval_steps = q.draft_steps if q.draft_steps != "auto" or (prov.heldout or {}).get("decode_by_steps") else K
+    report = evaluate_in_fresh_process(target, export_dir, prompts, draft_steps=eval_steps,
                                        max_new_tokens=q.max_new_tokens, num_prompts=q.eval_prompts,
                                        out=os.path.join(q.out, "eval"), dtype="fp32", device=q.device,
                                        progress=q.progress)
@@ -239,7 +278,7 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     tot = manifest.totals
     ev = train_result.get("best") or train_result.get("eval", {})  # the held-out record of the exported weights
     server = server_command("sglang", os.path.abspath(target), os.path.abspath(export_dir),
-                            prov.target.model_type, prov.needs_disable_cuda_graph, steps=q.draft_steps)
+                            prov.target.model_type, prov.needs_disable_cuda_graph, steps=report["draft_steps"])
     counts = regen.get("counts", {})
     rows = [
         ("regenerated", f"{counts.get('conversations', '?')} conversations, {counts.get('generated_tokens', 0):,} "
@@ -256,12 +295,11 @@ def run_quickstart(q: QuickstartConfig) -> dict:
         ("held-out replay", (f"acceptance length {ev['decode_accept_len']:.2f}, by position "
                              + " ".join(f"{a:.2f}" for a in ev["decode_rate_j"])
                              + f" (step {ev['step']}, exported)") if "decode_accept_len" in ev else "n/a"),
-        ("acceptance length", f"{report['acceptance_length']:.2f} (chain of {q.draft_steps}, "
+        *chain_length_rows(report),
+        ("acceptance length", f"{report['acceptance_length']:.2f} (chain of {report['draft_steps']}, "
                               f"{report['prompts']} held-out prompts)"),
         ("accept rate by pos", " ".join(f"{a:.2f}" for a in report["acceptance_rate_per_position"])),
-        ("speedup", f"{report['speedup']:.2f}x wall clock vs target-only greedy ({report['device']}, fp32); "
-                    f"{report['spec_tokens_per_s']:.1f} vs {report['baseline_tokens_per_s']:.1f} tok/s, "
-                    f"{report['tokens_per_target_forward']:.2f} tokens per target forward"),
+        ("speedup", speedup_line(report)),
         ("lossless", "yes: identical to target-only greedy" if report["lossless"]
          else f"NO: {len(report['mismatches'])} prompts differ"),
         ("SGLang drafter", os.path.abspath(export_dir)),

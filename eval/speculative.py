@@ -191,7 +191,7 @@ def plot_acceptance(report: dict, path: str) -> None:
     plt.close(fig)
 
 
-def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: int = 5, max_new_tokens: int = 128,
+def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: int | str = 5, max_new_tokens: int = 128,
              num_prompts: int | None = 20, out: str | None = None, dtype: str = "fp32", device: str | None = None,
              progress: bool = True, allow_foreign_export: bool = False, trust_remote_code: bool = False,
              prepack: bool = True) -> dict:
@@ -199,7 +199,10 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     weights (target/prepack.py says why; both the baseline and speculative decoding use them).
     `allow_foreign_export`: evaluate a drafter from elsewhere -- an export without provenance (served as the
     latest known SGLang release would serve it for this target) or one whose ids disagree with its provenance.
-    `trust_remote_code`: run the tokenizer code the target ships (Kimi-K2.5), refused otherwise."""
+    `trust_remote_code`: run the tokenizer code the target ships (Kimi-K2.5), refused otherwise.
+    `draft_steps` "auto": the chain length with the best predicted speedup on this machine, from the held-out replay
+    the export records at every length and the costs measured here first (eval/chain_length.py); the report holds
+    every length's prediction and, beside the measured speedup, the predicted one."""
     from eagle3.contract import ContractError
     from eagle3.target.load import DTYPES, find_backbone, load_target, load_tokenizer, target_info
     from eagle3.model.checkpoint import capture_indices_of_export, load_export
@@ -208,6 +211,13 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     # Verified (sha256, ids vs provenance, shapes) before the target is loaded: a bad export fails fast.
     export = load_export(export_dir, allow_foreign=allow_foreign_export)
     prov = export[2]
+    auto = draft_steps == "auto"
+    if auto:  # refused before anything loads when the export cannot say what each length accepts
+        from eagle3.eval.chain_length import replay_by_steps
+        replay = replay_by_steps(prov.heldout if prov is not None else None, export_dir)
+        draft_steps = max(replay)
+    elif not isinstance(draft_steps, int) or draft_steps < 1:
+        raise ValueError(f"draft_steps must be a positive integer or 'auto', got {draft_steps!r}")
     info = target_info(target_dir, like=prov.target.weights_sha256 if prov is not None else None)
     indices = capture_indices_of_export(export_dir, info.num_hidden_layers, target_model_type=info.model_type,
                                         allow_foreign=allow_foreign_export)
@@ -239,6 +249,19 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     gen_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
     dec = SpeculativeDecoder(target, backbone, drafter, indices, eos)
+    choice = None
+    if auto:
+        from eagle3.eval.chain_length import choose, measure_costs, predict
+        costs = measure_costs(dec, prompts[0], max(replay))
+        predictions = predict(costs, replay)
+        draft_steps = choose(predictions)
+        choice = {"mode": "auto", "costs_s": costs, "chosen": draft_steps,
+                  "predicted": [{"steps": k, **v} for k, v in predictions.items()],
+                  "predicted_decode_speedup": predictions[draft_steps]["decode_speedup"]}
+        if progress:
+            print(f"[eval] --draft-steps auto: predicted decode speedup by chain length "
+                  + ", ".join(f"{k}: {v['decode_speedup']:.2f}x" for k, v in predictions.items())
+                  + f" -> {draft_steps}", flush=True)
 
     total = ChainStats(draft_steps)
     spec_time = base_time = 0.0
@@ -277,10 +300,17 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
         "one_row_plain_linears": sum(bool(getattr(m, "_plain_single_row", False))
                                      for model in (target, drafter) for m in model.modules()),
         "lossless": not mismatches, "mismatches": mismatches,
+        # --draft-steps auto: the measured costs, every length's prediction, the choice, and the whole-run speedup
+        # predicted for these prompts and the tokens they produced (acceptance from the replay, not from this run)
+        "draft_steps_choice": choice,
         # each prompt's target-only greedy answer and its rounds (bench/replay_vs_eval.py matches them against the
         # answers training replayed)
         "per_prompt": per_prompt,
     }
+    if choice is not None:
+        from eagle3.eval.chain_length import predict_run
+        choice["predicted_speedup"] = predict_run(choice["costs_s"], predictions[draft_steps],
+                                                  [len(p) for p in prompts], [len(p["tokens"]) for p in per_prompt])
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "eval.json"), "w") as f:

@@ -212,7 +212,8 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
                                       steps=trained_chain_length(rec.train)),
         target=target, identity=rec.identity, run_dir=os.path.abspath(run_dir), step=step,
         checkpoint=os.path.abspath(ckpt_dir), standardize=rec.standardize, drafter=dcfg.to_dict(),
-        vocab={k: rec.vocab_meta.get(k) for k in ("draft_vocab_size", "coverage")}, notes=notes,
+        vocab={k: rec.vocab_meta.get(k) for k in ("draft_vocab_size", "coverage")},
+        heldout=rec.best if rec.best and rec.best.get("step") == step else None, notes=notes,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
     parent = os.path.dirname(out)

@@ -10,8 +10,9 @@ on the CPU; bench/train_step.py on the GPU), but saves fewer activations and syn
   with the MERGED output and MERGED log-sum-exp, it yields exactly the step-0 keys' share of the gradient (the
   kernel uses `out` only for D = rowsum(dO * out) and `lse` only to rebuild P, and both are the full softmax's), so
   no [T, (1+j)T] mask and no log-sum-exp gradient are needed.
-* `linear_soft_cross_entropy`: draft lm_head + soft cross-entropy for all K steps in token chunks, gradients
-  computed in forward (the loss is the last op), so [tokens, draft_vocab] logits never exist beyond one chunk.
+* `linear_soft_cross_entropy`: draft lm_head + soft cross-entropy (or the LK losses' -log alpha / -alpha, alpha the
+  expected acceptance sum_v min(p_v, q_v)) for all K steps in token chunks, gradients computed in forward (the loss
+  is the last op), so [tokens, draft_vocab] logits never exist beyond one chunk.
 """
 
 from __future__ import annotations
@@ -470,21 +471,112 @@ def causal_plus_diagonal(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, di
 
 @_fused
 def _soft_ce_chunk(logits, p, w, ok, tgt):
-    """One chunk: (sum w * ce, sum ce over ok, argmax hits over ok, d(sum w * ce)/d(logits) in logits' dtype)."""
+    """One chunk: (sum w * ce, sum ce over ok, argmax hits over ok, sum alpha over ok, d(sum w * ce)/d(logits) in
+    logits' dtype). alpha = sum_v min(p_v, q_v), q = softmax(logits): the expected acceptance, a metric here."""
     lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
     p = p.to(lf.dtype)
     lse = torch.logsumexp(lf, dim=-1)
     psum = p.sum(-1)
     ce = lse * psum - (p * lf).sum(-1)
     hits = ((lf.argmax(-1) == tgt) & ok).sum()
-    # d(ce)/d(logits) = psum * softmax - p, weighted per row
-    g = ((torch.exp(lf - lse.unsqueeze(-1)) * psum.unsqueeze(-1) - p) * w.to(lf.dtype).unsqueeze(-1)).to(logits.dtype)
-    return (w * ce).sum(), torch.where(ok, ce, 0).sum(), hits, g
+    # d(ce)/d(logits) = psum * softmax - p, weighted per row. In place, the same operations in the same order (the
+    # same bits) as out of place: on a CPU a fresh [rows, vocab] tensor costs about as much as the arithmetic on it,
+    # which pays for the alpha metric's pass over d below.
+    d = (lf - lse.unsqueeze(-1)).exp_().mul_(psum.unsqueeze(-1)).sub_(p)
+    # alpha = sum_v min(p_v, x_v) = (sum p + sum x - sum |x - p|) / 2 with x = psum * q, whose sum is psum to rounding
+    # (and x is q to rounding: p sums to 1); one read of d, which the kl path computes anyway
+    alpha = psum - 0.5 * torch.linalg.vector_norm(d, 1, -1)
+    g = d.mul_(w.to(lf.dtype).unsqueeze(-1)).to(logits.dtype)
+    return (w * ce).sum(), torch.where(ok, ce, 0).sum(), hits, torch.where(ok, alpha, 0).sum(), g
+
+
+# The LK chunks below are written for few [rows, vocab] temporaries and in-place updates: on a CPU (eager) each fresh
+# tensor of that size costs about as much as the arithmetic on it, and under torch.compile (CUDA) it makes no
+# difference. Their alpha is the sum of the minima itself, never 1 - (a sum of differences): -log(alpha) needs a
+# small alpha to its last digit, which that cancellation loses (1 - (1 - 1e-20) is 0). The lk-hybrid pre-pass sums
+# the same minima as its gradient pass.
+
+def _softmax_lse_hits(lf, tgt, ok):
+    """(q = softmax(lf), logsumexp(lf), argmax hits over ok) from one softmax and one max: q at the row's argmax
+    is exp(max - lse) and at least 1/vocab, so lse = max - log(q[argmax]) loses nothing to cancellation."""
+    q = torch.softmax(lf, dim=-1)
+    mx, am = lf.max(-1)
+    lse = mx - torch.log(q.gather(-1, am.unsqueeze(-1)).squeeze(-1))
+    return q, lse, ((am == tgt) & ok).sum()
+
+
+def _alpha_parts(p, q):
+    """(alpha, S, qb) per row, with B = {v: q_v < p_v} (where the minimum is q), S = sum_{v in B} q_v and qb = q on
+    B, 0 elsewhere (a fresh tensor the caller may overwrite). alpha = sum_v min(p_v, q_v) = S + sum_{v not in B} p_v,
+    and since dq_v/dz_k = q_v (1[v = k] - q_k): d alpha / d z_k = q_k (1[k in B] - S) = qb_k - q_k S."""
+    alpha = torch.minimum(p, q).sum(-1)
+    qb = (p - q).gt_(0).mul_(q)                     # 1[k in B] q_k, in place (a float mask: a bool one is slower)
+    return alpha, qb.sum(-1), qb
+
+
+@_fused
+def _lk_chunk(logits, p, w, ok, tgt):
+    """--loss lk, one chunk: (sum w * -log alpha, sum ce over ok, argmax hits over ok, sum alpha over ok,
+    d(sum w * -log alpha)/d(logits) in logits' dtype). A row with alpha == 0, or subnormal, adds 0 and gets no
+    gradient (loss.neg_log_alpha)."""
+    lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    p = p.to(lf.dtype)
+    q, lse, hits = _softmax_lse_hits(lf, tgt, ok)
+    psum = p.sum(-1)
+    ce = lse * psum - (p * lf).sum(-1)
+    alpha, s, qb = _alpha_parts(p, q)
+    pos = alpha >= torch.finfo(lf.dtype).tiny
+    safe = torch.where(pos, alpha, 1)
+    wf = w.to(lf.dtype)
+    c = torch.where(pos, -wf / safe, 0)             # d(w * -log alpha)/d alpha
+    g = qb.mul_(c.unsqueeze(-1)).addcmul_(q, (-c * s).unsqueeze(-1))   # c * (qb - q S), in place
+    loss = (wf * torch.where(pos, -torch.log(safe), 0)).sum()
+    return loss, torch.where(ok, ce, 0).sum(), hits, torch.where(ok, alpha, 0).sum(), g.to(logits.dtype)
+
+
+@_fused
+def _hybrid_chunk(logits, p, w_ce, w_alpha, ok, tgt):
+    """--loss lk-hybrid, one chunk: (sum w_ce * ce - sum w_alpha * alpha, sum ce over ok, argmax hits over ok, sum
+    alpha over ok, its gradient with respect to the logits in logits' dtype)."""
+    lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    p = p.to(lf.dtype)
+    q, lse, hits = _softmax_lse_hits(lf, tgt, ok)
+    psum = p.sum(-1)
+    ce = lse * psum - (p * lf).sum(-1)
+    alpha, s, qb = _alpha_parts(p, q)
+    wc, wa = w_ce.to(lf.dtype), w_alpha.to(lf.dtype)
+    # wc (psum q - p) - wa (qb - q S) = q (wc psum + wa S) - wc p - wa qb, in place in qb
+    g = qb.mul_(-wa.unsqueeze(-1)).addcmul_(p, -wc.unsqueeze(-1)).addcmul_(q, (wc * psum + wa * s).unsqueeze(-1))
+    loss = (wc * ce).sum() - (wa * alpha).sum()
+    return loss, torch.where(ok, ce, 0).sum(), hits, torch.where(ok, alpha, 0).sum(), g.to(logits.dtype)
+
+
+@_fused
+def _alpha_chunk(logits, p, ok):
+    """sum over ok rows of alpha = sum_v min(p_v, softmax(logits)_v), computed as _alpha_parts computes it."""
+    lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    alpha = torch.minimum(p.to(lf.dtype), torch.softmax(lf, dim=-1)).sum(-1)
+    return torch.where(ok, alpha, 0).sum()
+
+
+def _head_chunks(xs, teacher_p, rows, M: int, chunk: int):
+    """(s, j, x rows s..s+chunk of step j, their teacher rows, their teacher row ids) in the order the loss takes
+    them. Every step's teacher rows for a chunk of positions lie in [s, s + chunk + K] (u = t + 1 + j, clamped at
+    each row's end): one window of the teacher serves all K steps."""
+    K = len(xs)
+    for s in range(0, xs[0].shape[0], chunk):
+        lo, hi = s, min(M, s + chunk + K)
+        p_win = teacher_p(lo, hi) if callable(teacher_p) else teacher_p[lo:hi]
+        for jj, x in enumerate(xs):
+            r = rows[jj, s:s + chunk]
+            yield s, jj, x[s:s + chunk], p_win.index_select(0, r - lo), r
+        del p_win
 
 
 class _LinearSoftCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, teacher_p, teacher_argmax, chunk, rows, row_weights, valid, grad, *xs):
+    def forward(ctx, weight, teacher_p, teacher_argmax, chunk, rows, row_weights, valid, alpha_weights, log_alpha,
+                grad, *xs):
         K = len(xs)
         acc = torch.promote_types(weight.dtype, torch.float32)
         gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if grad and weight.requires_grad else None
@@ -492,45 +584,46 @@ class _LinearSoftCE(torch.autograd.Function):
         loss = torch.zeros((), dtype=acc, device=weight.device)
         ce_sum = torch.zeros(K, dtype=torch.float64, device=weight.device)
         correct = torch.zeros(K, dtype=torch.float64, device=weight.device)
-        M = teacher_argmax.shape[0]
-        for s in range(0, xs[0].shape[0], chunk):
-            # Every step's teacher rows for this chunk of positions lie in [s, s + chunk + K] (u = t + 1 + j,
-            # clamped at each row's end): one window of the teacher serves all K steps.
-            lo, hi = s, min(M, s + chunk + K)
-            p_win = teacher_p(lo, hi) if callable(teacher_p) else teacher_p[lo:hi]
-            for jj, x in enumerate(xs):
-                xc = x[s:s + chunk]
-                r = rows[jj, s:s + chunk]
-                l_part, ce_part, hits, g = _soft_ce_chunk(xc @ weight.T, p_win.index_select(0, r - lo),
-                                                          row_weights[jj, s:s + chunk], valid[jj, s:s + chunk],
-                                                          teacher_argmax.index_select(0, r))
-                loss += l_part
-                ce_sum[jj] += ce_part
-                correct[jj] += hits
-                if gxs[jj] is not None:
-                    gxs[jj][s:s + chunk] = g @ weight
-                if gw is not None:
-                    gw += (g.T @ xc).to(acc)
-            del p_win
+        alpha_sum = torch.zeros(K, dtype=torch.float64, device=weight.device)
+        for s, jj, xc, p, r in _head_chunks(xs, teacher_p, rows, teacher_argmax.shape[0], chunk):
+            logits, ok, tgt = xc @ weight.T, valid[jj, s:s + chunk], teacher_argmax.index_select(0, r)
+            if alpha_weights is None:      # kl
+                parts = _soft_ce_chunk(logits, p, row_weights[jj, s:s + chunk], ok, tgt)
+            elif log_alpha:                # lk: -log alpha alone (row_weights None: checked by the caller)
+                parts = _lk_chunk(logits, p, alpha_weights[jj, s:s + chunk], ok, tgt)
+            else:                          # lk-hybrid: ce and -alpha
+                parts = _hybrid_chunk(logits, p, row_weights[jj, s:s + chunk], alpha_weights[jj, s:s + chunk], ok,
+                                      tgt)
+            l_part, ce_part, hits, a_part, g = parts
+            loss += l_part
+            ce_sum[jj] += ce_part
+            correct[jj] += hits
+            alpha_sum[jj] += a_part
+            if gxs[jj] is not None:
+                gxs[jj][s:s + chunk] = g @ weight
+            if gw is not None:
+                gw += (g.T @ xc).to(acc)
         ctx.save_for_backward(gw if gw is not None else torch.empty(0), *[g if g is not None else torch.empty(0)
                                                                           for g in gxs])
         ctx.has_gw, ctx.has_gx = gw is not None, [g is not None for g in gxs]
-        ctx.mark_non_differentiable(ce_sum, correct)
-        return loss, ce_sum, correct
+        ctx.mark_non_differentiable(ce_sum, correct, alpha_sum)
+        return loss, ce_sum, correct, alpha_sum
 
     @staticmethod
-    def backward(ctx, gloss, _g1, _g2):
+    def backward(ctx, gloss, _g1, _g2, _g3):
         gw, *gxs = ctx.saved_tensors
         dw = (gw * gloss).to(gw.dtype) if ctx.has_gw else None
         out = [(g * gloss.to(g.dtype)) if has else None for g, has in zip(gxs, ctx.has_gx)]
-        return (dw, None, None, None, None, None, None, None, *out)
+        return (dw, None, None, None, None, None, None, None, None, None, *out)
 
 
 def linear_soft_cross_entropy(xs: Sequence[torch.Tensor], weight: torch.Tensor,
                               teacher_p: torch.Tensor | Callable[[int, int], torch.Tensor],
-                              teacher_argmax: torch.Tensor, rows: torch.Tensor, row_weights: torch.Tensor,
-                              valid: torch.Tensor, chunk: int = 4096):
-    """Weighted soft cross-entropy of K heads sharing one lm_head, without keeping any logits.
+                              teacher_argmax: torch.Tensor, rows: torch.Tensor, row_weights: torch.Tensor | None,
+                              valid: torch.Tensor, chunk: int = 4096, *, alpha_weights: torch.Tensor | None = None,
+                              log_alpha: bool = False):
+    """Weighted soft cross-entropy of K heads sharing one lm_head, without keeping any logits; or the LK losses'
+    terms in the expected acceptance alpha = sum_v min(p_v, softmax(logits)_v) of each row.
 
     xs: K tensors [N, H] (normed draft states); weight [V, H]; teacher_p [M, V] (rows sum to 1), or a function
     (lo, hi) -> its rows lo..hi-1, computed as the loss reaches them (a whole [M, V] teacher in fp32 is 16 GiB at
@@ -538,8 +631,30 @@ def linear_soft_cross_entropy(xs: Sequence[torch.Tensor], weight: torch.Tensor,
     row of each (step, token), which must lie in [n, n + K] for token n (u = t + 1 + j, clamped at a row's end);
     row_weights [K, N]: the loss weight of each (e.g. decay^j / count_j, 0 where not counted); valid [K, N] bool:
     counted in the metrics.
-    Returns (loss = sum row_weights * ce, ce_sum [K] fp64 over valid, correct [K] fp64: argmax hits over valid).
+    alpha_weights [K, N] (None: the soft cross-entropy alone): with log_alpha and row_weights None, loss =
+    sum alpha_weights * -log(alpha) (a row with alpha 0 or subnormal adds 0: --loss lk); without log_alpha, loss =
+    sum row_weights * ce - sum alpha_weights * alpha (--loss lk-hybrid, whose constant part the caller adds).
+    Returns (loss, ce_sum [K] fp64 over valid, correct [K] fp64: argmax hits over valid, alpha_sum [K] fp64 over
+    valid), every objective's metrics alike.
     """
+    if (row_weights is None) != (alpha_weights is not None and log_alpha):
+        raise ValueError("linear_soft_cross_entropy: row_weights (ce) are needed except with alpha_weights and "
+                         "log_alpha (-log alpha alone), and not allowed then")
     # Gradients are computed in forward only when a backward can follow (not under no_grad, e.g. held-out eval).
     return _LinearSoftCE.apply(weight, teacher_p, teacher_argmax, int(chunk), rows, row_weights, valid,
-                               torch.is_grad_enabled(), *xs)
+                               alpha_weights, bool(log_alpha), torch.is_grad_enabled(), *xs)
+
+
+@torch.no_grad()
+def linear_alpha_sums(xs: Sequence[torch.Tensor], weight: torch.Tensor,
+                      teacher_p: torch.Tensor | Callable[[int, int], torch.Tensor], num_teacher_rows: int,
+                      rows: torch.Tensor, valid: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """[K] fp64: each step's sum over valid rows of alpha = sum_v min(p_v, softmax(x @ weight.T)_v), arguments as
+    linear_soft_cross_entropy's (num_teacher_rows: M, its teacher_argmax's length). The gradient-free pass that
+    --loss lk-hybrid makes first: its per-row gradients need the step's mean alpha (through the KL weight) before
+    they are formed. Costs one draft-head matmul per token (of the gradient pass's three) and the teacher's rows
+    once more."""
+    out = torch.zeros(len(xs), dtype=torch.float64, device=weight.device)
+    for s, jj, xc, p, _ in _head_chunks(xs, teacher_p, rows, num_teacher_rows, chunk):
+        out[jj] += _alpha_chunk(xc @ weight.T, p, valid[jj, s:s + chunk])
+    return out

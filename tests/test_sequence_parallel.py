@@ -1,5 +1,6 @@
 """Sequence parallelism (train/sequence_parallel.py): one sample split over 2 and 3 gloo processes gives the unsplit
-step's loss and gradients, in float64."""
+step's loss and gradients, in float64, under every --loss (kl, lk, lk-hybrid: whose KL weight is the whole
+sequence's)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from eagle3.train.loss import eagle3_loss
+from eagle3.train.loss import KL, Objective, eagle3_loss
 from eagle3.train.sequence_parallel import (chunk_of, halo, piece_chunks, sequence_parallel_loss,
                                             sequence_pieces_loss)
 
@@ -26,6 +27,9 @@ def drafter(layout="llama"):
 
 
 T, K, DECAY, CHUNK = 37, 4, 0.8, 8   # CHUNK < tokens per rank: the chunked soft cross-entropy is exercised too
+# every objective of train/loss.py, each split run held to its unsplit one (lk-hybrid's weight at mean acceptance
+# ~0.1 is ~0.55: far from 0 and 1, so a weight taken from one rank's pairs alone would show)
+OBJECTIVES = {"kl": KL, "lk": Objective("lk"), "lk-hybrid": Objective("lk-hybrid", kl_scale=0.7, kl_decay=2.5)}
 
 
 def sample(seed=1, layout="llama"):
@@ -41,11 +45,11 @@ def sample(seed=1, layout="llama"):
             "lm_head": torch.randn(V, Ht, generator=g, dtype=torch.float64)}
 
 
-def unsplit(layout="llama"):
+def unsplit(layout="llama", objective=KL):
     s, d = sample(layout=layout), drafter(layout)
     outs = d.ttt_forward(s["hidden_state"], s["input_ids"], None, K)
     loss, m = eagle3_loss(d, outs, s["target_hidden"], s["lm_head"], s["input_ids"], s["loss_mask"], None,
-                          decay=DECAY, chunk_tokens=CHUNK)
+                          decay=DECAY, chunk_tokens=CHUNK, objective=objective)
     loss.backward()
     grads = {n: p.grad for n, p in d.named_parameters() if p.requires_grad}
     return loss.detach(), m, grads
@@ -55,13 +59,18 @@ def _worker(rank, size, port, out, fast, checkpointing, layout):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=size)
     try:
-        s, d = sample(layout=layout), drafter(layout)
-        d.activation_checkpointing = checkpointing
-        loss, m = sequence_parallel_loss(d, s["lm_head"], s["hidden_state"], s["input_ids"], s["loss_mask"],
-                                         s["target_hidden"], steps=K, decay=DECAY, chunk_tokens=CHUNK, fast=fast)
-        loss.backward()
-        res = {f"grad.{n}": p.grad for n, p in d.named_parameters() if p.requires_grad}
-        res.update(loss=loss.detach().reshape(1), ce_sum=m["ce_sum"], correct=m["correct"], count=m["count"])
+        res = {}
+        for name, objective in OBJECTIVES.items():
+            s, d = sample(layout=layout), drafter(layout)
+            d.activation_checkpointing = checkpointing
+            loss, m = sequence_parallel_loss(d, s["lm_head"], s["hidden_state"], s["input_ids"], s["loss_mask"],
+                                             s["target_hidden"], steps=K, decay=DECAY, chunk_tokens=CHUNK, fast=fast,
+                                             objective=objective)
+            loss.backward()
+            res.update({f"{name}.grad.{n}": p.grad for n, p in d.named_parameters() if p.requires_grad})
+            res.update({f"{name}.{k}": v for k, v in dict(loss=loss.detach().reshape(1), ce_sum=m["ce_sum"],
+                                                          correct=m["correct"], count=m["count"],
+                                                          alpha_sum=m["alpha_sum"]).items()})
         for v in res.values():                    # the group's sums: what the trainer's all-reduce would pool
             dist.all_reduce(v)
         if rank == 0:
@@ -98,48 +107,58 @@ def test_chunks_cover_the_sequence_and_their_halos_reach_every_label():
 def test_split_step_equals_the_unsplit_step(size, fast, checkpointing, layout, tmp_path):
     """The plain path and the fused kernels (model/kernels.py, CPU flash attention in float64), the latter also under
     'step' checkpointing, whose recompute must not repeat the group's collective, against the plain unsplit step;
-    the MLA drafter (keys and values of different widths through the prefix block) too."""
-    ref_loss, ref_m, ref_grads = unsplit(layout)
+    the MLA drafter (keys and values of different widths through the prefix block) too. Each case runs every
+    objective (lk-hybrid's alpha sums pooled over the group, on the fused path before its gradient pass)."""
     out = str(tmp_path / "sp.safetensors")
     mp.spawn(_worker, args=(size, _port(), out, fast, checkpointing, layout), nprocs=size, join=True)
     got = load_file(out)
-    torch.testing.assert_close(got["loss"][0], ref_loss, rtol=1e-12, atol=1e-12)
-    assert torch.equal(got["count"], ref_m["count"]) and ref_m["count"].min() > 0
-    assert torch.equal(got["correct"], ref_m["correct"])
-    torch.testing.assert_close(got["ce_sum"], ref_m["ce_sum"], rtol=1e-12, atol=1e-12)
-    assert set(ref_grads) == {k.removeprefix("grad.") for k in got if k.startswith("grad.")}
-    for n, g in ref_grads.items():
-        assert g.abs().max() > 0, n
-        torch.testing.assert_close(got[f"grad.{n}"], g, rtol=1e-10, atol=1e-12, msg=n)
+    for name, objective in OBJECTIVES.items():
+        ref_loss, ref_m, ref_grads = unsplit(layout, objective)
+        torch.testing.assert_close(got[f"{name}.loss"][0], ref_loss, rtol=1e-12, atol=1e-12, msg=name)
+        assert torch.equal(got[f"{name}.count"], ref_m["count"]) and ref_m["count"].min() > 0
+        assert torch.equal(got[f"{name}.correct"], ref_m["correct"])
+        torch.testing.assert_close(got[f"{name}.ce_sum"], ref_m["ce_sum"], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got[f"{name}.alpha_sum"], ref_m["alpha_sum"], rtol=1e-12, atol=1e-12)
+        grads = {k.removeprefix(f"{name}.grad."): v for k, v in got.items() if k.startswith(f"{name}.grad.")}
+        assert set(ref_grads) == set(grads)
+        for n, g in ref_grads.items():
+            assert g.abs().max() > 0, n
+            torch.testing.assert_close(grads[n], g, rtol=1e-10, atol=1e-12, msg=f"{name} {n}")
 
 
-@pytest.mark.parametrize("pieces,fast,checkpointing,argmax,layout", [
-    (2, False, "none", False, "llama"), (3, False, "mlp", False, "llama"), (2, True, "step", True, "llama"),
-    (3, True, "step_mlp", False, "llama"), (3, True, "step", True, "mla"), (2, False, "none", False, "mla")])
-def test_pieces_on_one_process_give_the_unsplit_step(pieces, fast, checkpointing, argmax, layout):
+@pytest.mark.parametrize("pieces,fast,checkpointing,argmax,layout,losses", [
+    (2, False, "none", False, "llama", "all"), (3, False, "mlp", False, "llama", "kl"),
+    (2, True, "step", True, "llama", "all"), (3, True, "step_mlp", False, "llama", "kl"),
+    (3, True, "step", True, "mla", "all"), (2, False, "none", False, "mla", "kl")])
+def test_pieces_on_one_process_give_the_unsplit_step(pieces, fast, checkpointing, argmax, layout, losses):
     """One process taking the row in 2 or 3 pieces, each with its own backward (the earlier pieces' keys as leaves
     whose gradients reach those pieces later): the unsplit loss, metrics and gradients in float64, on the plain path
     and on the fused kernels with step / step_mlp checkpointing (the dumped full-vocab argmax with the draft rows of
-    the head in one case). A piece that lost the gradient later pieces put on its keys would fail the k/v grads."""
-    ref_loss, ref_m, ref_grads = unsplit(layout)
-    s, d = sample(layout=layout), drafter(layout)
-    d.activation_checkpointing = checkpointing
-    extra = {}
-    if argmax:
-        extra = dict(target_argmax=(s["target_hidden"] @ s["lm_head"].T).argmax(-1), draft_head=s["lm_head"][d.t2d])
-    loss, m = sequence_pieces_loss(d, s["lm_head"], s["hidden_state"], s["input_ids"], s["loss_mask"],
-                                   s["target_hidden"], pieces=pieces, steps=K, decay=DECAY, chunk_tokens=CHUNK,
-                                   fast=fast, **extra)
-    assert all(p.grad is None for p in d.parameters())  # the earlier pieces' gradients wait for this backward
-    loss.backward()
-    torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-12, atol=1e-12)
-    assert torch.equal(m["count"], ref_m["count"]) and torch.equal(m["correct"], ref_m["correct"])
-    torch.testing.assert_close(m["ce_sum"], ref_m["ce_sum"], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(m["acceptance_length"], ref_m["acceptance_length"], rtol=1e-12, atol=1e-12)
-    for n, p in d.named_parameters():
-        if p.requires_grad:
-            assert ref_grads[n].abs().max() > 0, n
-            torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-10, atol=1e-12, msg=n)
+    the head in one case). A piece that lost the gradient later pieces put on its keys would fail the k/v grads.
+    Every objective in half the cases (plain, fused with the argmax teacher, MLA): under lk-hybrid the pieces' weight
+    is the whole row's (its alpha pre-pass over all pieces)."""
+    for name, objective in (OBJECTIVES if losses == "all" else {"kl": KL}).items():
+        ref_loss, ref_m, ref_grads = unsplit(layout, objective)
+        s, d = sample(layout=layout), drafter(layout)
+        d.activation_checkpointing = checkpointing
+        extra = {}
+        if argmax:
+            extra = dict(target_argmax=(s["target_hidden"] @ s["lm_head"].T).argmax(-1),
+                         draft_head=s["lm_head"][d.t2d])
+        loss, m = sequence_pieces_loss(d, s["lm_head"], s["hidden_state"], s["input_ids"], s["loss_mask"],
+                                       s["target_hidden"], pieces=pieces, steps=K, decay=DECAY, chunk_tokens=CHUNK,
+                                       fast=fast, objective=objective, **extra)
+        assert all(p.grad is None for p in d.parameters())  # the earlier pieces' gradients wait for this backward
+        loss.backward()
+        torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-12, atol=1e-12, msg=name)
+        assert torch.equal(m["count"], ref_m["count"]) and torch.equal(m["correct"], ref_m["correct"])
+        torch.testing.assert_close(m["ce_sum"], ref_m["ce_sum"], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(m["alpha_sum"], ref_m["alpha_sum"], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(m["acceptance_length"], ref_m["acceptance_length"], rtol=1e-12, atol=1e-12)
+        for n, p in d.named_parameters():
+            if p.requires_grad:
+                assert ref_grads[n].abs().max() > 0, n
+                torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-10, atol=1e-12, msg=f"{name} {n}")
 
 
 def test_pieces_cut_at_multiples_of_128_and_cover_the_row():

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from eagle3.model.config import OPTIONS  # the EAGLE-3.1 switches: on, off (--no-X), or not given (the preset's)
+from eagle3.train.loss import LOSSES  # --loss: train/loss.py Objective
 
 INIT_HEADS = ("target", "random")  # how the draft head (norm + lm_head) starts: train/trainer.py
 # Which positions the loss learns from: the assistant's tokens (the loss mask the dump recorded), or every real
@@ -81,6 +82,15 @@ class TrainConfig:
     loss_tokens: str = _opt("assistant", "positions the loss learns from: 'assistant' (the dump's loss mask) or "
                                          "'all' real tokens, the prompt's included (the teacher is the target's "
                                          "distribution everywhere)")
+    loss: str = _opt("kl", "training objective per draft step (docs/contract.md §9): 'kl', the soft cross-entropy "
+                           "against the target's distribution over the draft vocab; 'lk', -log of the expected "
+                           "acceptance rate alpha = sum_v min(p_v, q_v) (the LK loss, arXiv 2602.23881); "
+                           "'lk-hybrid', w * KL + (1 - w) * (1 - mean alpha) with w = --lk-kl-scale x "
+                           "exp(-(--lk-kl-decay) x mean alpha), the step's mean over its pairs. metrics.jsonl's "
+                           "alpha_j is the mean alpha under every loss", choices=LOSSES)
+    lk_kl_scale: float = _opt(1.0, "--loss lk-hybrid: the KL weight's scale (w at mean acceptance 0), >= 0")
+    lk_kl_decay: float = _opt(1.0, "--loss lk-hybrid: how fast the KL weight falls as the mean acceptance rises, "
+                                   ">= 0 (0: a fixed weight --lk-kl-scale)")
     aux_noise: float = _opt(0.0, "training only: Gaussian noise on the captured states fed to the drafter, its std "
                                  "this times each captured layer's per-token RMS (EAGLE-1's feature noise, a "
                                  "regulariser for small data); 0 = off")
@@ -168,6 +178,16 @@ class TrainConfig:
             raise ValueError(f"aux_noise must be >= 0, got {self.aux_noise}")
         if self.loss_tokens not in LOSS_TOKENS:
             raise ValueError(f"loss_tokens {self.loss_tokens!r}: expected one of {LOSS_TOKENS}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"--loss {self.loss!r}: expected one of {', '.join(LOSSES)}")
+        for name in ("lk_kl_scale", "lk_kl_decay"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{flag(name)} {v!r} must be a finite number >= 0")
+        if self.loss != "lk-hybrid" and (self.lk_kl_scale, self.lk_kl_decay) != (1.0, 1.0):
+            # they would be recorded in run.json as if they had shaped the run
+            raise ValueError(f"--lk-kl-scale / --lk-kl-decay set the KL weight of --loss lk-hybrid; --loss "
+                             f"{self.loss} has none (scale {self.lk_kl_scale}, decay {self.lk_kl_decay} given)")
         self.reporters()  # refuse an unknown tracker before anything starts
 
     def reporters(self) -> list[str]:

@@ -11,7 +11,9 @@ except two things.
   the next K+1 positions of the sequence too (`halo`); pairs whose t falls there belong to the next chunk and are
   left out of this rank's loss (eagle3_loss `queries`).
 The loss is each rank's sum over its own pairs divided by the whole sequence's count per step, so the ranks' losses
-add up to the unsplit loss, and so do their gradients.
+add up to the unsplit loss, and so do their gradients. Under --loss lk-hybrid each step's KL weight is a function of
+the whole sequence's mean acceptance, so the ranks' alpha sums are pooled the same way as their counts
+(eagle3_loss `reduce_alpha`), and the pieces of one process first measure them over the whole row.
 """
 
 from __future__ import annotations
@@ -116,10 +118,11 @@ def gather_owned(x: torch.Tensor, chunk: Chunk, size: int, group=None) -> torch.
 def sequence_parallel_loss(drafter, target_lm_head: torch.Tensor, hidden_state, input_ids, loss_mask,
                            target_hidden, *, steps: int, decay: float, chunk_tokens: int, attention_mask=None,
                            group=None, target_argmax=None, with_hits: bool = False, fast: bool = False,
-                           draft_head=None):
+                           draft_head=None, objective=None):
     """This rank's share of the EAGLE-3 loss of a batch whose positions are split over `group` (right padding
     allowed): (loss, metrics) as eagle3_loss returns them, the loss summing over the group to the unsplit one and
-    the metrics this rank's own pairs (all-reduce ce_sum / correct / count to pool them). with_hits (held-out
+    the metrics this rank's own pairs (all-reduce ce_sum / correct / count / alpha_sum to pool them); objective:
+    loss.Objective (None: the soft cross-entropy). with_hits (held-out
     evaluation, no grad): also the whole batch's [B, T, K] draft hits (acceptance.draft_hits), on every rank;
     target_argmax [B, T] is then the target's full-vocab argmax (None: from its head). fast: model/kernels.py's
     forward and fused loss, as DrafterTrainStep's fast path (draft_head: the draft rows of the target head, used
@@ -130,7 +133,8 @@ def sequence_parallel_loss(drafter, target_lm_head: torch.Tensor, hidden_state, 
     outs = _window_forward(drafter, chunk, hidden_state, input_ids, attention_mask, steps, fast,
                            prefix_kv(chunk, size, group))
     loss, m = _window_loss(drafter, outs, chunk, target_lm_head, input_ids, loss_mask, target_hidden, attention_mask,
-                           target_argmax, draft_head, decay, chunk_tokens, fast, sum_over_group(group))
+                           target_argmax, draft_head, decay, chunk_tokens, fast, sum_over_group(group), objective,
+                           sum_over_group(group))
     if not with_hits:
         return loss, m
     from eagle3.train.acceptance import draft_hits
@@ -148,12 +152,14 @@ def _window_forward(drafter, c: Chunk, hidden_state, input_ids, attention_mask, 
 
 
 def _window_loss(drafter, outs, c: Chunk, target_lm_head, input_ids, loss_mask, target_hidden, attention_mask,
-                 target_argmax, draft_head, decay: float, chunk_tokens: int, fast: bool, reduce_counts):
-    """(loss, metrics) of chunk c's own pairs over its window, each step's count made the whole row's by
-    `reduce_counts` (eagle3_loss `queries` / `reduce_counts`)."""
-    from eagle3.train.loss import eagle3_loss, eagle3_loss_fused
+                 target_argmax, draft_head, decay: float, chunk_tokens: int, fast: bool, reduce_counts, objective=None,
+                 reduce_alpha=None):
+    """(loss, metrics) of chunk c's own pairs over its window, each step's count (and alpha sum) made the whole
+    row's by `reduce_counts` (`reduce_alpha`) (eagle3_loss `queries` / `reduce_counts` / `reduce_alpha`)."""
+    from eagle3.train.loss import KL, eagle3_loss, eagle3_loss_fused
     th, ids, lm, mask = (window(x, c) for x in (target_hidden, input_ids, loss_mask, attention_mask))
-    share = dict(queries=c.end - c.start, reduce_counts=reduce_counts)
+    share = dict(queries=c.end - c.start, reduce_counts=reduce_counts, objective=objective or KL,
+                 reduce_alpha=reduce_alpha)
     if fast:
         return eagle3_loss_fused(drafter, outs, th, ids, lm, mask, decay, chunk_tokens, lm_head_weight=target_lm_head,
                                  target_argmax=window(target_argmax, c), draft_head_weight=draft_head, **share)
@@ -208,14 +214,19 @@ class _GivenGrads(torch.autograd.Function):
 
 def sequence_pieces_loss(drafter, target_lm_head: torch.Tensor, hidden_state, input_ids, loss_mask,
                          target_hidden, *, pieces: int, steps: int, decay: float, chunk_tokens: int,
-                         attention_mask=None, target_argmax=None, fast: bool = False, draft_head=None):
+                         attention_mask=None, target_argmax=None, fast: bool = False, draft_head=None,
+                         objective=None):
     """(loss, metrics) of a batch whose rows are taken in `pieces` contiguous pieces one after another on this
     process: the unsplit loss and metrics (eagle3_loss's), and `loss.backward()` gives the unsplit gradients while
     the activations of only one piece are alive at a time. Every piece but the first has already run its backward
     here (torch.autograd.grad); their parameter gradients come with the returned loss's backward. Grad mode only
     (no_grad evaluation holds no activations: take the row whole). target_argmax [B, T] (None: from
-    target_lm_head) is the target's full-vocab argmax; fast / draft_head as in sequence_parallel_loss."""
-    from eagle3.train.loss import full_vocab_argmax, step_counts, summarize
+    target_lm_head) is the target's full-vocab argmax; fast / draft_head / objective as in sequence_parallel_loss.
+    Under --loss lk-hybrid the first piece's backward already needs every step's weight, a function of the whole
+    row's mean acceptance: the pieces are first run forward without autograd for their alpha sums (one more forward
+    of the row, with no activations kept)."""
+    from eagle3.train.loss import KL, full_vocab_argmax, step_counts, summarize
+    objective = objective or KL
     T = input_ids.shape[1]
     if pieces < 2:
         raise ValueError(f"sequence_pieces_loss needs pieces >= 2, got {pieces}")
@@ -237,6 +248,20 @@ def sequence_pieces_loss(drafter, target_lm_head: torch.Tensor, hidden_state, in
             except _KeysOnly as e:
                 own = c.end - c.start
                 keys.append(tuple(x[:, :, :own].detach().requires_grad_() for x in (e.k0, e.v0)))
+    alpha_total = None
+    if objective.name == "lk-hybrid":
+        with torch.no_grad():
+            sums_a = []
+            for r, c in enumerate(chunks):
+                def frozen(k0, v0, r=r):  # the earlier pieces' keys as computed above; nothing to route gradients to
+                    if r == 0:
+                        return k0, v0, (k0[:, :, :0], v0[:, :, :0])
+                    return k0, v0, tuple(torch.cat([kv[i] for kv in keys[:r]], dim=2) for i in (0, 1))
+                _, m = _window_loss(drafter, forward(c, frozen), c, target_lm_head, input_ids, loss_mask,
+                                    target_hidden, attention_mask, target_argmax, draft_head, decay, chunk_tokens,
+                                    fast, lambda _count: total)  # the soft cross-entropy: its metrics hold alpha_sum
+                sums_a.append(m["alpha_sum"])
+            alpha_total = torch.stack(sums_a).sum(0)
     extra = [[None, None] for _ in keys]  # gradients later pieces' queries put on each piece's keys
     params = [p for p in drafter.parameters() if p.requires_grad]
     given = [None] * len(params)
@@ -253,8 +278,9 @@ def sequence_pieces_loss(drafter, target_lm_head: torch.Tensor, hidden_state, in
 
         outs = forward(c, hook)
         loss, m = _window_loss(drafter, outs, c, target_lm_head, input_ids, loss_mask, target_hidden, attention_mask,
-                               target_argmax, draft_head, decay, chunk_tokens, fast, lambda _count: total)
-        sums.append(torch.stack([m["ce_sum"], m["correct"], m["count"]]))
+                               target_argmax, draft_head, decay, chunk_tokens, fast, lambda _count: total, objective,
+                               lambda _alpha: alpha_total)
+        sums.append(torch.stack([m["ce_sum"], m["correct"], m["count"], m["alpha_sum"]]))
         if r == 0:
             first_loss = loss
             break
@@ -269,9 +295,9 @@ def sequence_pieces_loss(drafter, target_lm_head: torch.Tensor, hidden_state, in
                 slot[i % 2] = g if slot[i % 2] is None else slot[i % 2] + g
         rest = rest + loss.detach()
         del outs, loss, grads
-    ce_sum, correct, count = torch.stack(sums).sum(0)
-    metrics = {"ce_sum": ce_sum, "correct": correct, "count": count}
-    metrics.update(summarize(ce_sum, correct, count))
+    ce_sum, correct, count, alpha_sum = torch.stack(sums).sum(0)
+    metrics = {"ce_sum": ce_sum, "correct": correct, "count": count, "alpha_sum": alpha_sum}
+    metrics.update(summarize(ce_sum, correct, count, alpha_sum))
     return first_loss + rest + _GivenGrads.apply(tuple(given), *params), metrics
 
 

@@ -45,6 +45,11 @@ RESUMABLE = frozenset({"max_steps", "epochs", "save_interval", "keep_checkpoints
                        "progress", "stop_after_steps", "resume", "dump", "target", "out", "trust_remote_code"})
 
 
+# The per-step sums a training step reports (the loss metrics' own names), summed over tokens, ranks and log
+# intervals as they are, then turned into means by `pooled`.
+STATS = ("ce_sum", "correct", "count", "alpha_sum")
+
+
 class DrafterTrainStep(nn.Module):
     """What DeepSpeed wraps: the drafter and its loss, so that under ZeRO-3 every parameter the loss touches
     (norm, lm_head) is gathered inside forward. The target's lm_head is a frozen buffer (the teacher); its draft-vocab
@@ -52,9 +57,11 @@ class DrafterTrainStep(nn.Module):
     fast: kernels.py's forward and fused loss (they read weights directly, so ZeRO-3 keeps the plain path)."""
 
     def __init__(self, drafter: nn.Module, target_lm_head: torch.Tensor, cfg: TrainConfig):
+        from eagle3.train.loss import Objective
         super().__init__()
         self.drafter = drafter
         self.steps, self.decay, self.chunk = cfg.ttt_steps, cfg.step_decay, cfg.teacher_chunk_tokens
+        self.objective = Objective(cfg.loss, cfg.lk_kl_scale, cfg.lk_kl_decay)
         self.fast = bool(cfg.fast_path) and cfg.zero_stage < 3
         self.sp_group = None  # sequence parallel: this rank's group (set by train())
         self.piece_tokens = cfg.piece_tokens
@@ -68,8 +75,8 @@ class DrafterTrainStep(nn.Module):
 
     def forward(self, hidden_state, input_ids, attention_mask, loss_mask, target_hidden, target_argmax=None,
                 with_hits: bool = False):
-        """(loss, stats [3, K]); with_hits (held-out evaluation, no grad) also the [B, T, K] draft hits that
-        acceptance.walk replays as decoding would."""
+        """(loss, stats [len(STATS), K]: the STATS sums); with_hits (held-out evaluation, no grad) also the
+        [B, T, K] draft hits that acceptance.walk replays as decoding would."""
         from eagle3.train.loss import eagle3_loss, eagle3_loss_fused, full_vocab_argmax
         if self.sp_group is not None:  # this rank's chunk of every row (train/sequence_parallel.py)
             from eagle3.train.sequence_parallel import sequence_parallel_loss
@@ -77,8 +84,8 @@ class DrafterTrainStep(nn.Module):
                                        target_hidden, steps=self.steps, decay=self.decay, chunk_tokens=self.chunk,
                                        attention_mask=attention_mask, group=self.sp_group,
                                        target_argmax=target_argmax, with_hits=with_hits, fast=self.fast,
-                                       draft_head=self.draft_head)
-            stats = torch.stack([r[1]["ce_sum"], r[1]["correct"], r[1]["count"]])
+                                       draft_head=self.draft_head, objective=self.objective)
+            stats = torch.stack([r[1][k] for k in STATS])
             return (r[0], stats, r[2]) if with_hits else (r[0], stats)
         pieces = -(-input_ids.shape[1] // self.piece_tokens) if self.piece_tokens else 1
         if pieces > 1 and torch.is_grad_enabled() and not with_hits:  # one piece's activations at a time
@@ -86,8 +93,9 @@ class DrafterTrainStep(nn.Module):
             loss, m = sequence_pieces_loss(self.drafter, self.target_lm_head, hidden_state, input_ids, loss_mask,
                                            target_hidden, pieces=pieces, steps=self.steps, decay=self.decay,
                                            chunk_tokens=self.chunk, attention_mask=attention_mask,
-                                           target_argmax=target_argmax, fast=self.fast, draft_head=self.draft_head)
-            return loss, torch.stack([m["ce_sum"], m["correct"], m["count"]])
+                                           target_argmax=target_argmax, fast=self.fast, draft_head=self.draft_head,
+                                           objective=self.objective)
+            return loss, torch.stack([m[k] for k in STATS])
         outs = self.drafter(hidden_state, input_ids, attention_mask, steps=self.steps, fast=self.fast)
         if with_hits:
             from eagle3.train.acceptance import draft_hits
@@ -97,11 +105,12 @@ class DrafterTrainStep(nn.Module):
         if self.fast:
             loss, m = eagle3_loss_fused(self.drafter, outs, target_hidden, input_ids, loss_mask, attention_mask,
                                         self.decay, self.chunk, lm_head_weight=self.target_lm_head,
-                                        target_argmax=target_argmax, draft_head_weight=self.draft_head)
+                                        target_argmax=target_argmax, draft_head_weight=self.draft_head,
+                                        objective=self.objective)
         else:
             loss, m = eagle3_loss(self.drafter, outs, target_hidden, self.target_lm_head, input_ids, loss_mask,
-                                  attention_mask, decay=self.decay, chunk_tokens=self.chunk)
-        stats = torch.stack([m["ce_sum"], m["correct"], m["count"]])
+                                  attention_mask, decay=self.decay, chunk_tokens=self.chunk, objective=self.objective)
+        stats = torch.stack([m[k] for k in STATS])
         return (loss, stats, hits) if with_hits else (loss, stats)
 
 
@@ -186,12 +195,14 @@ def deepspeed_config(cfg: TrainConfig, on_gpu: bool) -> dict:
 
 
 def pooled(stats: torch.Tensor) -> dict:
-    """stats [3, K] = (ce_sum, correct, count) summed over tokens (and ranks) -> per-step metrics."""
+    """stats [len(STATS), K] = (ce_sum, correct, count, alpha_sum) summed over tokens (and ranks) -> per-step
+    metrics: loss_j the soft cross-entropy (whatever --loss is), acc_j, alpha_j the mean expected acceptance."""
     from eagle3.train.loss import summarize
-    ce, correct, count = stats.double().cpu()
-    s = summarize(ce, correct, count)
+    ce, correct, count, alpha = stats.double().cpu()
+    s = summarize(ce, correct, count, alpha)
     return {"loss_j": s["loss_per_step"].tolist(), "acc_j": s["acc_per_step"].tolist(),
-            "accept_len": float(s["acceptance_length"]), "counted": int(count[0])}
+            "alpha_j": s["alpha_per_step"].tolist(), "accept_len": float(s["acceptance_length"]),
+            "counted": int(count[0])}
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -288,7 +299,10 @@ def resume_changes(run_path: str, old: RunRecord, cfg: TrainConfig, identity: di
         problems.append(f"the dumps hold other data (shard sha256s: {old.data_sha256} -> {data_sha})")
     if old.world_size != world_size:
         problems.append(f"world size {old.world_size} -> {world_size} (it sets the batches)")
-    before, now = old.train, json.loads(json.dumps(cfg.to_dict()))
+    now = json.loads(json.dumps(cfg.to_dict()))
+    # An option added since the run was recorded ran as its default then (e.g. --loss: kl): compare it as such.
+    defaults = json.loads(json.dumps(TrainConfig().to_dict()))
+    before = {**{k: v for k, v in defaults.items() if k not in old.train}, **old.train}
     changed = {k: [before.get(k), v] for k, v in now.items() if before.get(k) != v}
     problems += [f"--{k.replace('_', '-')}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in RESUMABLE]
     if problems:
@@ -532,8 +546,10 @@ def train(cfg: TrainConfig) -> dict:
         from eagle3.train.acceptance import ChainStats, walk
         eval_plan = BatchPlan([r.length for r in held_refs], cfg.token_budget, cfg.seed, dp_rank, dp_size,
                               shuffle=False)
-        stats = torch.zeros(3, cfg.ttt_steps, dtype=torch.float64, device=device)
-        chain = ChainStats(accept_k)
+        stats = torch.zeros(len(STATS), cfg.ttt_steps, dtype=torch.float64, device=device)
+        # one replay per chain length 1..accept_k (the same hits, walked with each k): what `eagle3 eval
+        # --draft-steps auto` weighs against the measured costs of each length (eval/chain_length.py)
+        chains = [ChainStats(k) for k in range(1, accept_k + 1)]
         engine.eval()
         n = min(cfg.eval_batches, len(eval_plan.epoch(0)))
         with torch.no_grad():
@@ -542,11 +558,18 @@ def train(cfg: TrainConfig) -> dict:
                 _, s, hits = engine(*model_inputs(b), with_hits=True)
                 stats += s
                 if world.rank % sp == 0:  # a sequence-parallel group holds the same hits on every rank: walk once
-                    walk(hits, b["loss_mask"], b["attention_mask"], accept_k, cfg.accept_max_new_tokens, stats=chain)
+                    for c in chains:
+                        walk(hits, b["loss_mask"], b["attention_mask"], c.draft_steps, cfg.accept_max_new_tokens,
+                             stats=c)
         engine.train()
-        chain = ChainStats.from_tensor(all_reduce_sum(chain.as_tensor().to(device)).cpu(), accept_k)
+        pooled_chains = all_reduce_sum(torch.cat([c.as_tensor() for c in chains]).to(device)).cpu()
+        sizes = [2 + 2 * c.draft_steps for c in chains]
+        chains = [ChainStats.from_tensor(t, c.draft_steps) for t, c in zip(pooled_chains.split(sizes), chains)]
+        chain = chains[-1]
         return {**pooled(all_reduce_sum(stats)), "decode_steps": accept_k, "rounds": chain.verify_steps,
-                "decode_accept_len": chain.acceptance_length, "decode_rate_j": chain.rates}
+                "decode_accept_len": chain.acceptance_length, "decode_rate_j": chain.rates,
+                "decode_by_steps": [{"steps": c.draft_steps, "accept_len": c.acceptance_length, "rate_j": c.rates}
+                                    for c in chains]}
 
     best = _read_best(run_dir) if resume_tag is not None else None
 
@@ -556,7 +579,7 @@ def train(cfg: TrainConfig) -> dict:
                dynamic_ncols=True)
     engine.train()
     t_last, tokens_since, n_since = time.perf_counter(), 0, 0
-    since = torch.zeros(3 * cfg.ttt_steps + 1, dtype=torch.float64, device=device)  # stats + loss, on the device
+    since = torch.zeros(len(STATS) * cfg.ttt_steps + 1, dtype=torch.float64, device=device)  # stats + loss
     result: dict = {}
     postfix: dict = {}
     for batch in loader:
@@ -575,7 +598,7 @@ def train(cfg: TrainConfig) -> dict:
             dt = time.perf_counter() - t_last
             rec = {"step": step, "epoch": plan.position(step - 1)[0],
                    "loss": float(red[-2]) / dp_size / n_since,  # a group's loss shares add up to its batch's
-                   **pooled(red[:-2].reshape(3, -1)), "tokens": int(red[-1]), "tok_s": float(red[-1]) / dt,
+                   **pooled(red[:-2].reshape(len(STATS), -1)), "tokens": int(red[-1]), "tok_s": float(red[-1]) / dt,
                    "lr": sched.get_last_lr()[0], "time": time.time()}
             metrics.write(rec)
             if not math.isfinite(rec["loss"]):  # stop here: no later step or checkpoint can mean anything

@@ -1,0 +1,173 @@
+"""The draft chain length chosen by measurement: `eagle3 eval --draft-steps auto`.
+
+A chain of K drafts pays for itself only if what it gains in accepted tokens exceeds what it costs. Both sides are
+measured, neither assumed:
+- what a chain of k accepts: training's held-out decoding replay walked at every k <= its own chain
+  (train/acceptance.py; the export's provenance carries it as `heldout.decode_by_steps`), which reproduces
+  `eagle3 eval`'s rounds on greedy target-written data -- tokens per round tau_k and the rate at each position;
+- what each piece of a round costs on the machine that runs it (`measure_costs`), timed through the very calls
+  `SpeculativeDecoder.generate` makes: the target's verify forward over k + 1 tokens (with the capture hooks and the
+  cache crop of a rejected tail), a draft step, the draft head, the drafter's re-read ("extend") of n + 1 accepted
+  positions, and the baseline's one-token greedy step.
+
+One round of a chain of k (eval/speculative.py) costs
+    round(k) = head + (k - 1) * step + verify(k + 1) + sum_n P_k(n) * extend(n + 1)
+where P_k(n) is the replay's probability that a round accepts n drafts; it yields tau_k tokens. Decoding then runs
+at tau_k / round(k) tokens per second against 1 / greedy for the target alone, so the predicted decode speedup is
+    speedup(k) = tau_k * greedy / round(k),
+and the choice is the k that maximises it. Prefill (the prompt's forward, and the drafter's over the prompt) is paid
+once per prompt by both decoders and is left out of the choice; the whole-run prediction adds it back from the
+prompts' lengths (`predict_run`), so it is compared against the same wall clock `eagle3 eval` reports.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def accepted_distribution(rates: list[float]) -> list[float]:
+    """P(n) for n = 0..k: a round accepts exactly n drafts, from the rates by position given the round reached it."""
+    probs, reach = [], 1.0
+    for r in rates:
+        probs.append(reach * (1.0 - r))
+        reach *= r
+    return probs + [reach]
+
+
+def replay_by_steps(heldout: dict | None, where: str) -> dict[int, dict]:
+    """{k: {"accept_len", "rate_j"}} from an export's provenance `heldout` record; a clear error without one."""
+    rows = (heldout or {}).get("decode_by_steps")
+    if not rows:
+        raise ValueError(f"{where}: --draft-steps auto needs the held-out decoding replay at every chain length that "
+                         "eagle3 train records with the best checkpoint (provenance 'heldout.decode_by_steps'); this "
+                         "export has none (exported from a checkpoint other than checkpoints/best, from an older "
+                         "run, or from elsewhere): give --draft-steps a number")
+    return {int(r["steps"]): {"accept_len": float(r["accept_len"]), "rate_j": [float(x) for x in r["rate_j"]]}
+            for r in rows}
+
+
+def _timer(device: torch.device):
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return sync
+
+
+def _median_time(fn, sync, repeats: int) -> float:
+    fn()  # warm-up: first calls allocate, compile and fill caches
+    sync()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+@torch.no_grad()
+def measure_costs(dec, prompt: list[int], max_steps: int, repeats: int = 7) -> dict:
+    """Seconds per piece of a round, medians of `repeats` timings after the prompt is in both caches (dec: a
+    SpeculativeDecoder; the calls are generate's own). Returns {"greedy", "head", "step", "verify": [1..K+1
+    tokens], "extend": [1..K+1 tokens], "prefill_target", "prefill_drafter", "prompt_tokens"}."""
+    from transformers import DynamicCache
+
+    from eagle3.target.capture import HiddenStateCapture
+    dr, dev, target = dec.drafter, dec.device, dec.target
+    sync = _timer(dev)
+    ids = torch.tensor([prompt], device=dev)
+    P = len(prompt)
+    # the baseline's step, as SpeculativeDecoder.greedy takes it (no capture hooks)
+    cache = DynamicCache(config=target.config)
+    t0 = time.perf_counter()
+    logits = target(input_ids=ids, cache=cache, use_cache=True).logits
+    tok = int(logits[0, -1].argmax())
+    sync()
+    one = torch.tensor([[tok]], device=dev)
+
+    def greedy_step():
+        out = target(input_ids=one, cache=cache, use_cache=True).logits
+        int(out[0, -1].argmax())
+        cache.crop(-1)
+    costs: dict = {"greedy": _median_time(greedy_step, sync, repeats), "prompt_tokens": P}
+    del cache
+    with HiddenStateCapture(dec.backbone, dec.indices) as cap:
+        sync()
+        t0 = time.perf_counter()
+        y, aux, tcache = dec._target_forward(ids, None, cap)
+        int(y[-1])
+        sync()
+        costs["prefill_target"] = time.perf_counter() - t0
+        nxt = torch.tensor([prompt[1:] + [tok]], device=dev)
+        t0 = time.perf_counter()
+        m, dcache = dr.forward_step(dr.project_aux(aux), nxt, torch.arange(P, device=dev)[None], None)
+        sync()
+        costs["prefill_drafter"] = time.perf_counter() - t0
+        h = m[:, -1:]
+
+        def head():
+            int(dr.target_ids(dr.draft_logits(h)[0, -1].argmax()))
+        costs["head"] = _median_time(head, sync, repeats)
+        pos = torch.tensor([[P]], device=dev)
+
+        def step():
+            h2, _ = dr.forward_step(h, one, pos, dcache)
+            int(dr.target_ids(dr.draft_logits(h2)[0, -1].argmax()))
+        costs["step"] = _median_time(step, sync, repeats)
+        verify, extend = [], []
+        for n in range(1, max_steps + 2):
+            block = torch.tensor([[tok] * n], device=dev)
+
+            def verify_n():  # the forward, the host's read of its tokens, and dropping what it appended
+                yy, _, _ = dec._target_forward(block, tcache, cap)
+                yy.tolist()
+                tcache.crop(-n)
+            verify.append(_median_time(verify_n, sync, repeats))
+            a = aux[:, :n] if aux.shape[1] >= n else aux[:, :1].expand(-1, n, -1)
+            epos = torch.arange(P, P + n, device=dev)[None]
+
+            def extend_n():
+                dr.forward_step(dr.project_aux(a), block, epos, dcache)
+            extend.append(_median_time(extend_n, sync, repeats))
+        costs["verify"], costs["extend"] = verify, extend
+    return costs
+
+
+def round_seconds(costs: dict, k: int, rates: list[float]) -> float:
+    """Predicted seconds of one round of a chain of k (module docstring)."""
+    p = accepted_distribution(rates[:k])
+    ext = sum(pn * costs["extend"][n] for n, pn in enumerate(p))  # n accepted -> extend over n + 1 positions
+    return costs["head"] + (k - 1) * costs["step"] + costs["verify"][k] + ext
+
+
+def predict(costs: dict, replay: dict[int, dict]) -> dict[int, dict]:
+    """{k: {"accept_len", "round_s", "tok_s", "decode_speedup"}} for every k the replay and the costs cover."""
+    out = {}
+    for k, r in sorted(replay.items()):
+        if k + 1 > len(costs["verify"]):
+            continue
+        rs = round_seconds(costs, k, r["rate_j"])
+        out[k] = {"accept_len": r["accept_len"], "round_s": rs, "tok_s": r["accept_len"] / rs,
+                  "decode_speedup": r["accept_len"] * costs["greedy"] / rs}
+    return out
+
+
+def choose(predictions: dict[int, dict]) -> int:
+    """The chain length with the best predicted speedup (the shorter one on a tie: it costs less to serve)."""
+    return max(sorted(predictions), key=lambda k: (predictions[k]["decode_speedup"], -k))
+
+
+def predict_run(costs: dict, prediction: dict, prompt_lengths: list[int], new_tokens: list[int]) -> float:
+    """Whole-run speedup as `eagle3 eval` measures it (prefill included): the prompts' prefills scaled by length
+    from the measured one, then the new tokens at the greedy and the predicted speculative rate."""
+    per_tok_t = costs["prefill_target"] / costs["prompt_tokens"]
+    per_tok_d = costs["prefill_drafter"] / costs["prompt_tokens"]
+    pre_t = sum(per_tok_t * n for n in prompt_lengths)
+    pre_d = sum(per_tok_d * n for n in prompt_lengths)
+    decode = sum(max(n - 1, 0) for n in new_tokens)  # the first token comes with the prefill in both
+    base = pre_t + decode * costs["greedy"]
+    spec = pre_t + pre_d + decode / prediction["tok_s"]
+    return base / spec
