@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3 import contract as C
+from eagle3.atomic import atomic_write_text
 from eagle3.dump import shards as S
 
 
@@ -60,7 +61,7 @@ def reencode_fp8(src: str, out: str) -> str:
         meta.pop(C.SHARD_INDEX, None)
         records.append(S.write_shard(out, j, samples, m.capture.hidden_state_indices, meta))
     m.shards = records
-    S.atomic_write_text(os.path.join(out, C.MANIFEST_FILE), json.dumps(m.to_dict(), indent=1))
+    atomic_write_text(os.path.join(out, C.MANIFEST_FILE), json.dumps(m.to_dict(), indent=1))
     return out
 
 

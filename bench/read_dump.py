@@ -23,7 +23,8 @@ import torch
 def write_synthetic(out: str, hidden: int, tokens: int, indices=(3, 31, 59), layers=61, mean_len=1024,
                     shard_mb=1024.0, seed=0) -> None:
     from eagle3 import contract as C
-    from eagle3.dump.shards import atomic_write_text, write_shard
+    from eagle3.atomic import atomic_write_text
+    from eagle3.dump.shards import write_shard
     if os.path.isfile(os.path.join(out, C.MANIFEST_FILE)):
         return
     os.makedirs(out, exist_ok=True)

@@ -83,9 +83,16 @@ def layer_for_index(k: int) -> int:
     return k - 1
 
 
+def eagle3_default_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's default triple of decoder layers (2, L//2, L-3): one low, one middle, one high. Our default capture
+    takes their outputs; SGLang's own default (serving.sglang_default_capture) takes these numbers as capture
+    indices, one layer earlier -- the same triple, read two ways, which is why both derive from here."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
 def default_capture_indices(num_layers: int) -> list[int]:
     """Outputs of decoder layers (2, L//2, L-3), i.e. HF indices (3, L//2 + 1, L - 2) -- Kimi-K2.5 (L=61): [3, 31, 59]."""
-    return sorted({3, num_layers // 2 + 1, num_layers - 2})
+    return sorted({layer + 1 for layer in eagle3_default_layers(num_layers)})
 
 
 def validate_indices(indices: Iterable[int], num_layers: int) -> list[int]:

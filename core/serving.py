@@ -11,6 +11,7 @@ import functools
 import re
 from typing import Sequence
 
+from eagle3 import contract as C
 from eagle3.contract import ContractError, validate_indices
 
 
@@ -160,7 +161,7 @@ def supported_ranges(family: str) -> str:
 def sglang_default_capture(num_layers: int) -> list[int]:
     """What SGLang captures when the draft config has no ids (and, <= 0.5.10.post1, under CUDA graphs):
     layers_to_capture = [2, L//2, L-3] (capture index = HF index). NOT the dump default (3, L//2+1, L-2)."""
-    return [2, num_layers // 2, num_layers - 3]
+    return C.eagle3_default_layers(num_layers)
 
 
 def _check_int_list(ids, what: str) -> list[int]:

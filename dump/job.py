@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from eagle3 import contract as C
 from eagle3 import dist as D
+from eagle3.atomic import atomic_write_text
 from eagle3.batching import group_by_length
 from eagle3.contract import CaptureSpec, ContractError, DumpManifest
 from eagle3.dump import shards as S
@@ -228,7 +229,7 @@ def _prepare_out_dir(out: str, manifest: DumpManifest, plan_hash: str, shard_met
     except ContractError as e:
         return str(e), set()
     if old is None:
-        S.atomic_write_text(path, json.dumps(record, indent=1))
+        atomic_write_text(path, json.dumps(record, indent=1))
     stale = S.remove_stale_tmp(out)  # no writer of this dump runs yet: the other ranks wait for this answer
     if stale:
         log(f"[dump] removed {len(stale)} temporary files a killed run left in {out}: {stale[:4]}"
@@ -358,7 +359,7 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
         if missing:
             raise RuntimeError(f"{cfg.out}: shards {missing} were not written")
         manifest.shards = records
-        S.atomic_write_text(os.path.join(cfg.out, MANIFEST), json.dumps(manifest.to_dict(), indent=1))
+        atomic_write_text(os.path.join(cfg.out, MANIFEST), json.dumps(manifest.to_dict(), indent=1))
         tot = manifest.totals
         log(f"[dump] done: {tot['samples']} samples, {tot['tokens']} tokens, {tot['bytes'] / 2**20:,.1f} MiB in "
             f"{tot['shards']} shards ({bytes_per_token} B/token) -> {cfg.out}/{MANIFEST}; "

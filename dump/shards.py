@@ -31,6 +31,7 @@ from dataclasses import asdict
 import torch
 
 from eagle3 import contract as C
+from eagle3.atomic import atomic_write_text, tmp_name
 from eagle3.contract import ShardRecord
 
 
@@ -47,10 +48,6 @@ def sidecar_name(j: int) -> str:
     return f"shard-{j:05d}.json"
 
 
-def tmp_name(path: str) -> str:
-    return f"{path}.tmp-{os.getpid()}"
-
-
 def remove_stale_tmp(out_dir: str) -> list[str]:
     """Remove the temporary files a killed dump left in out_dir (only names this module writes); returns them.
     Call it only while no writer of this dump runs."""
@@ -58,25 +55,6 @@ def remove_stale_tmp(out_dir: str) -> list[str]:
     for n in stale:
         os.remove(os.path.join(out_dir, n))
     return stale
-
-
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write to a temporary name, fsync, rename: a reader sees the old file or the whole new one, and a failed
-    write leaves no temporary file behind."""
-    tmp = tmp_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
 
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",

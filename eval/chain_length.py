@@ -82,7 +82,6 @@ def measure_costs(dec, prompt: list[int], max_steps: int, repeats: int = 7) -> d
     P = len(prompt)
     # the baseline's step, as SpeculativeDecoder.greedy takes it (no capture hooks)
     cache = DynamicCache(config=target.config)
-    t0 = time.perf_counter()
     logits = target(input_ids=ids, cache=cache, use_cache=True).logits
     tok = int(logits[0, -1].argmax())
     sync()
@@ -93,7 +92,6 @@ def measure_costs(dec, prompt: list[int], max_steps: int, repeats: int = 7) -> d
         int(out[0, -1].argmax())
         cache.crop(-1)
     costs: dict = {"greedy": _median_time(greedy_step, sync, repeats), "prompt_tokens": P}
-    del cache
     with HiddenStateCapture(dec.backbone, dec.indices) as cap:
         sync()
         t0 = time.perf_counter()

@@ -259,7 +259,7 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
                   "predicted": [{"steps": k, **v} for k, v in predictions.items()],
                   "predicted_decode_speedup": predictions[draft_steps]["decode_speedup"]}
         if progress:
-            print(f"[eval] --draft-steps auto: predicted decode speedup by chain length "
+            print("[eval] --draft-steps auto: predicted decode speedup by chain length "
                   + ", ".join(f"{k}: {v['decode_speedup']:.2f}x" for k, v in predictions.items())
                   + f" -> {draft_steps}", flush=True)
 

@@ -24,15 +24,14 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import sys
-import tempfile
 import time
 
 import torch
 
 from eagle3 import contract as C
 from eagle3 import serving as S
+from eagle3.atomic import replaced_dir
 from eagle3.model.checkpoint import EXPORT_DTYPE, check_tensors, draft_config, load_export
 from eagle3.records import (CKPT_FILE, DRAFTER_WEIGHTS_FILE, EXPORT_CONFIG_FILE as CONFIG_FILE, EXPORT_FILES,
                             EXPORT_FORMAT, EXPORT_WEIGHTS_FILE as WEIGHTS_FILE, PROVENANCE_FILE, RUN_FILE, VOCAB_FILE,
@@ -216,10 +215,7 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
         heldout=rec.best if rec.best and rec.best.get("step") == step else None, notes=notes,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
-    try:
+    with replaced_dir(out) as tmp:
         save_file(tensors, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
         provenance.model_safetensors_sha256 = C.file_sha256(os.path.join(tmp, WEIGHTS_FILE))
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
@@ -228,14 +224,4 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
             json.dump(provenance.to_dict(), f, indent=1)
         # Read back what was written, as a server would: sha256, ids -> served capture == trained capture, shapes.
         load_export(tmp)
-        if os.path.exists(out):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
-            os.rename(out, os.path.join(old, "x"))
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return provenance

@@ -26,7 +26,7 @@ import os
 import sys
 
 from eagle3.contract import ContractError
-from eagle3.dump.shards import atomic_write_text
+from eagle3.atomic import atomic_write_text
 from eagle3.regenerate.config import RegenConfig, sampling
 
 # What --out holds, named in regenerate_config.json and regenerate.json (record.py)

@@ -11,7 +11,7 @@ import time
 
 from eagle3 import dist as D
 from eagle3.dump.conversations import check_distinct_data, data_sha256
-from eagle3.dump.shards import atomic_write_text
+from eagle3.atomic import atomic_write_text
 from eagle3.records import REGENERATE_FILE, identity_of
 from eagle3.regenerate.config import RegenConfig, validate
 from eagle3.regenerate.files import merge_out, prepare_out, run_config

@@ -27,6 +27,7 @@ import torch
 
 from eagle3 import contract as C
 from eagle3 import dist as D
+from eagle3.atomic import atomic_write_bytes
 # what reading a checkpoint needs lives below train/ (export reads checkpoints too): re-exported here
 from eagle3.records import CKPT_FILE, LATEST, CheckpointError, CheckpointRecord, check_files, data_files  # noqa: F401
 
@@ -55,7 +56,6 @@ def naming_disk_full(path: str):
 
 def write_bytes_atomic(path: str, data: bytes) -> None:
     """The dump's atomic write (temporary name, fsync, rename), its full-disk error naming the file."""
-    from eagle3.dump.shards import atomic_write_bytes
     with naming_disk_full(path):
         atomic_write_bytes(path, data)
 

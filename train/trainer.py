@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 
 import torch
@@ -27,6 +26,7 @@ from tqdm import tqdm
 
 from eagle3 import contract as C
 from eagle3 import dist as D
+from eagle3.atomic import replaced_dir
 from eagle3.records import (BEST_DIR, CHECKPOINTS_DIR, CKPT_FILE, DRAFTER_WEIGHTS_FILE, METRICS_FILE, RUN_FILE,
                             VOCAB_FILE, CheckpointRecord, RunRecord, checkpoint_tag)
 from eagle3.train import checkpoint as CK
@@ -259,20 +259,12 @@ def save_best(engine, run_dir: str, step: int, world: D.World, run_record: RunRe
     weights = consolidated_state_dict(engine)
 
     def write():
-        root = os.path.join(run_dir, CHECKPOINTS_DIR)
-        tmp, final = os.path.join(root, f".{BEST_DIR}.tmp"), os.path.join(root, BEST_DIR)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
         data = _drafter_bytes(weights, step, run_record)
-        CK.write_bytes_atomic(os.path.join(tmp, DRAFTER_WEIGHTS_FILE), data)
-        CK.write_record(tmp, CheckpointRecord.of_run(run_record, step=step, tag=BEST_DIR, weights=DRAFTER_WEIGHTS_FILE,
-                                                     best=best, sha256={DRAFTER_WEIGHTS_FILE: C.sha256_bytes(data)}))
-        old = os.path.join(root, f".{BEST_DIR}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.isdir(final):
-            os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        with replaced_dir(os.path.join(run_dir, CHECKPOINTS_DIR, BEST_DIR)) as tmp:
+            CK.write_bytes_atomic(os.path.join(tmp, DRAFTER_WEIGHTS_FILE), data)
+            CK.write_record(tmp, CheckpointRecord.of_run(run_record, step=step, tag=BEST_DIR,
+                                                         weights=DRAFTER_WEIGHTS_FILE, best=best,
+                                                         sha256={DRAFTER_WEIGHTS_FILE: C.sha256_bytes(data)}))
     D.run_on_main(write, world)
 
 
