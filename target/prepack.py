@@ -31,8 +31,8 @@ def prepack_available() -> bool:
 def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
         return F.linear(x, self.weight, self.bias)  # packed weights carry no autograd
-    if self._plain_single_row and x.numel() == self.in_features:
-        return F.linear(x, self.weight, self.bias)  # one row: the plain GEMV measured faster here (see below)
+    if x.numel() // self.in_features in self._plain_rows:
+        return F.linear(x, self.weight, self.bias)  # a row count the plain matmul measured faster at (see below)
     return _packed_matmul(x, self._packed_weight, self.bias)
 
 
@@ -40,21 +40,25 @@ def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _single_row_plain_is_faster(w: torch.Tensor, packed: torch.Tensor, reps: int = 30) -> bool:
-    """Whether F.linear beats the packed matmul on one row of this weight's shape. Machine-dependent, so measured:
+def _plain_is_faster(w: torch.Tensor, packed: torch.Tensor, rows: int, reps: int = 20) -> bool:
+    """Whether F.linear beats the packed matmul on `rows` rows of this weight's shape. Machine-dependent, so measured:
     a 2-core EPYC ran the example target's one-token forward faster packed (50 vs 60 ms), a 2-core Xeon with AMX
-    slower (40.7 vs 34.5 ms) while packing still won its 6-token verify (50.0 vs 55.5 ms); both paths are fp32
-    GEMMs of the same weight. Best of `reps` calls each."""
+    slower (40.7 vs 34.5 ms) while packing still won its 6-token verify (50.0 vs 55.5 ms). On that Xeon (2026-12-07)
+    two rows ran plain at the cost of one (576x576: 9 vs 37 us packed; the 49152x576 head 3.4 vs 3.6 ms) while four
+    and six ran faster packed on the large weights only (the head: 6.9 vs 3.7 ms at four): a 2-token verify of a
+    chain of 1 cost 1.46x a 1-token forward with every multi-row call packed. Both paths are fp32 GEMMs of the same
+    weight. Best of `reps` calls each."""
     from eagle3.cpu import best_seconds
-    x = torch.randn(1, w.shape[1])
+    x = torch.randn(rows, w.shape[1])
     with torch.no_grad():
         return best_seconds(lambda: F.linear(x, w), reps) < best_seconds(lambda: _packed_matmul(x, packed, None), reps)
 
 
 def prepack_linears(model: nn.Module, rows_hint: int = 8, check: bool = True, single_row: str = "auto") -> int:
     """Replace the forward of every float32 CPU nn.Linear in `model` with a oneDNN prepacked matmul.
-    rows_hint: the matmul rows to pack for (decoding: K+1). single_row: what a one-row call runs -- "auto" the
-    faster of the plain and packed matmul on this machine (timed once per weight shape), "packed" or "plain".
+    rows_hint: the matmul rows to pack for (decoding: K+1). single_row: "auto" runs each call of 1..rows_hint rows on
+    the faster of the plain and the packed matmul on this machine (timed once per weight shape and row count);
+    "plain" runs one-row calls plain and packs the rest, "packed" packs every call.
     Returns how many were packed; 0 where the backend is missing (the model is then left exactly as it was)."""
     if single_row not in ("auto", "packed", "plain"):
         raise ValueError(f"single_row={single_row!r}: choose auto, packed or plain")
@@ -63,14 +67,19 @@ def prepack_linears(model: nn.Module, rows_hint: int = 8, check: bool = True, si
     todo = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.device.type == "cpu"
             and m.weight.dtype == torch.float32 and not hasattr(m, "_packed_weight")]
     gen = torch.Generator().manual_seed(0)
-    plain_single_row: dict[tuple[int, int], bool] = {}  # by weight shape: timed once per shape
+    plain_rows: dict[tuple[int, int], frozenset[int]] = {}  # by weight shape: timed once per shape
     for m in todo:
         w = m.weight.detach()
         m._packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, rows_hint)
-        if tuple(w.shape) not in plain_single_row:
-            plain_single_row[tuple(w.shape)] = single_row == "plain" or (
-                single_row == "auto" and _single_row_plain_is_faster(w, m._packed_weight))
-        m._plain_single_row = plain_single_row[tuple(w.shape)]
+        if tuple(w.shape) not in plain_rows:
+            # "auto": every row count up to rows_hint (a verify forward's K + 1) runs the faster path on this machine
+            # (one row: target-only greedy and the drafter's steps; more: verify and the drafter's re-read);
+            # "plain" / "packed" fix the one-row path and pack every multi-row call, as before "auto" timed them
+            measured = {r for r in range(1, max(1, rows_hint) + 1) if _plain_is_faster(w, m._packed_weight, r)} \
+                if single_row == "auto" else ({1} if single_row == "plain" else set())
+            plain_rows[tuple(w.shape)] = frozenset(measured)
+        m._plain_rows = plain_rows[tuple(w.shape)]
+        m._plain_single_row = 1 in m._plain_rows
         m.forward = types.MethodType(_packed_forward, m)
         if check:
             x = torch.randn(3, m.in_features, generator=gen)

@@ -77,3 +77,38 @@ def test_one_row_calls_take_the_path_chosen_for_them(monkeypatch):
         assert calls == want, mode
     with pytest.raises(ValueError, match="single_row"):
         prepack_linears(nn.Linear(4, 4), single_row="fast")
+
+
+def test_auto_times_every_row_count_and_each_call_takes_its_faster_path(monkeypatch):
+    """single_row="auto": each row count 1..rows_hint is timed (here: a stand-in timing saying plain wins at 1 and
+    2 rows only) and a call of that many rows takes the path chosen for it; the results stay F.linear's."""
+    import eagle3.target.prepack as P
+    timed = []
+    monkeypatch.setattr(P, "_plain_is_faster", lambda w, packed, rows: (timed.append(rows), rows <= 2)[1])
+    m = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64))
+    assert prepack_linears(m, rows_hint=4, single_row="auto", check=False) == 2
+    assert timed == [1, 2, 3, 4, 1, 2, 3, 4]  # per weight shape, every row count once
+    assert m[0]._plain_rows == frozenset({1, 2}) and m[0]._plain_single_row
+    monkeypatch.undo()
+    calls = []
+    real_linear, real_packed = P.F.linear, P._packed_matmul
+
+    class Fwrap:
+        def __getattr__(self, name):
+            return getattr(torch.nn.functional, name)
+
+        @staticmethod
+        def linear(*a, **k):
+            calls.append("plain")
+            return real_linear(*a, **k)
+
+    monkeypatch.setattr(P, "F", Fwrap())
+    monkeypatch.setattr(P, "_packed_matmul", lambda *a: (calls.append("packed"), real_packed(*a))[1])
+    lin = m[0]
+    with torch.no_grad():
+        for rows in (1, 2, 3, 6):
+            x = torch.randn(rows, 64, dtype=torch.float32)
+            got = lin(x)
+            want = x.double() @ lin.weight.double().T + lin.bias.double()
+            assert torch.allclose(got.double(), want, atol=1e-4)
+    assert calls == ["plain", "plain", "packed", "packed"]
