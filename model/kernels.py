@@ -514,17 +514,23 @@ def _alpha_parts(p, q):
     return alpha, qb.sum(-1), qb
 
 
-@_fused
-def _lk_chunk(logits, p, w, ok, tgt):
-    """--loss lk, one chunk: (sum w * -log alpha, sum ce over ok, argmax hits over ok, sum alpha over ok,
-    d(sum w * -log alpha)/d(logits) in logits' dtype). A row with alpha == 0, or subnormal, adds 0 and gets no
-    gradient (loss.neg_log_alpha)."""
+def _lk_terms(logits, p, ok, tgt):
+    """What both LK chunks start from: (lf: the logits in fp32 or wider, p in lf's dtype, q = softmax, argmax hits
+    over ok, the soft cross-entropy per row, and _alpha_parts' alpha, S, qb)."""
     lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
     p = p.to(lf.dtype)
     q, lse, hits = _softmax_lse_hits(lf, tgt, ok)
     psum = p.sum(-1)
     ce = lse * psum - (p * lf).sum(-1)
-    alpha, s, qb = _alpha_parts(p, q)
+    return lf, p, q, hits, psum, ce, *_alpha_parts(p, q)
+
+
+@_fused
+def _lk_chunk(logits, p, w, ok, tgt):
+    """--loss lk, one chunk: (sum w * -log alpha, sum ce over ok, argmax hits over ok, sum alpha over ok,
+    d(sum w * -log alpha)/d(logits) in logits' dtype). A row with alpha == 0, or subnormal, adds 0 and gets no
+    gradient (loss.neg_log_alpha)."""
+    lf, p, q, hits, psum, ce, alpha, s, qb = _lk_terms(logits, p, ok, tgt)
     pos = alpha >= torch.finfo(lf.dtype).tiny
     safe = torch.where(pos, alpha, 1)
     wf = w.to(lf.dtype)
@@ -538,12 +544,7 @@ def _lk_chunk(logits, p, w, ok, tgt):
 def _hybrid_chunk(logits, p, w_ce, w_alpha, ok, tgt):
     """--loss lk-hybrid, one chunk: (sum w_ce * ce - sum w_alpha * alpha, sum ce over ok, argmax hits over ok, sum
     alpha over ok, its gradient with respect to the logits in logits' dtype)."""
-    lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    p = p.to(lf.dtype)
-    q, lse, hits = _softmax_lse_hits(lf, tgt, ok)
-    psum = p.sum(-1)
-    ce = lse * psum - (p * lf).sum(-1)
-    alpha, s, qb = _alpha_parts(p, q)
+    lf, p, q, hits, psum, ce, alpha, s, qb = _lk_terms(logits, p, ok, tgt)
     wc, wa = w_ce.to(lf.dtype), w_alpha.to(lf.dtype)
     # wc (psum q - p) - wa (qb - q S) = q (wc psum + wa S) - wc p - wa qb, in place in qb
     g = qb.mul_(-wa.unsqueeze(-1)).addcmul_(p, -wc.unsqueeze(-1)).addcmul_(q, (wc * psum + wa * s).unsqueeze(-1))

@@ -48,12 +48,10 @@ def test_prepacked_linear_still_trains_through_f_linear():
     assert m[0].weight.grad is not None and m[2].weight.grad is not None
 
 
-def test_one_row_calls_take_the_path_chosen_for_them(monkeypatch):
-    """single_row="plain": a one-row call runs F.linear and a multi-row call the packed op; "packed": both packed.
-    Counted by wrapping the two ops, so a dispatch that ignored the choice fails here."""
+def _count_paths(monkeypatch, calls: list) -> None:
+    """Wrap the two matmul paths of eagle3.target.prepack so that each call appends 'plain' or 'packed' to calls."""
     import eagle3.target.prepack as P
-    calls = []
-    real_linear, real_packed = P.F.linear, P._packed_matmul
+    real_linear, real_packed = torch.nn.functional.linear, P._packed_matmul
 
     class Fwrap:
         def __getattr__(self, name):
@@ -64,11 +62,18 @@ def test_one_row_calls_take_the_path_chosen_for_them(monkeypatch):
             calls.append("plain")
             return real_linear(*a, **k)
 
+    monkeypatch.setattr(P, "F", Fwrap())
+    monkeypatch.setattr(P, "_packed_matmul", lambda *a: (calls.append("packed"), real_packed(*a))[1])
+
+
+def test_one_row_calls_take_the_path_chosen_for_them(monkeypatch):
+    """single_row="plain": a one-row call runs F.linear and a multi-row call the packed op; "packed": both packed.
+    Counted by wrapping the two ops, so a dispatch that ignored the choice fails here."""
+    calls = []
     for mode, want in [("plain", ["plain", "packed"]), ("packed", ["packed", "packed"])]:
         m = nn.Linear(64, 96)
         prepack_linears(m, single_row=mode, check=False)
-        monkeypatch.setattr(P, "F", Fwrap())
-        monkeypatch.setattr(P, "_packed_matmul", lambda *a: (calls.append("packed"), real_packed(*a))[1])
+        _count_paths(monkeypatch, calls)
         calls.clear()
         with torch.no_grad():
             m(torch.randn(1, 64))
@@ -91,19 +96,7 @@ def test_auto_times_every_row_count_and_each_call_takes_its_faster_path(monkeypa
     assert m[0]._plain_rows == frozenset({1, 2}) and m[0]._plain_single_row
     monkeypatch.undo()
     calls = []
-    real_linear, real_packed = P.F.linear, P._packed_matmul
-
-    class Fwrap:
-        def __getattr__(self, name):
-            return getattr(torch.nn.functional, name)
-
-        @staticmethod
-        def linear(*a, **k):
-            calls.append("plain")
-            return real_linear(*a, **k)
-
-    monkeypatch.setattr(P, "F", Fwrap())
-    monkeypatch.setattr(P, "_packed_matmul", lambda *a: (calls.append("packed"), real_packed(*a))[1])
+    _count_paths(monkeypatch, calls)
     lin = m[0]
     with torch.no_grad():
         for rows in (1, 2, 3, 6):
