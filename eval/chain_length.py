@@ -26,6 +26,9 @@ import statistics
 import time
 
 import torch
+from transformers import DynamicCache
+
+from eagle3.target.capture import HiddenStateCapture
 
 
 def accepted_distribution(rates: list[float]) -> list[float]:
@@ -73,9 +76,6 @@ def measure_costs(dec, prompt: list[int], max_steps: int, repeats: int = 7) -> d
     """Seconds per piece of a round, medians of `repeats` timings after the prompt is in both caches (dec: a
     SpeculativeDecoder; the calls are generate's own). Returns {"greedy", "head", "step", "verify": [1..K+1
     tokens], "extend": [1..K+1 tokens], "prefill_target", "prefill_drafter", "prompt_tokens"}."""
-    from transformers import DynamicCache
-
-    from eagle3.target.capture import HiddenStateCapture
     dr, dev, target = dec.drafter, dec.device, dec.target
     sync = _timer(dev)
     ids = torch.tensor([prompt], device=dev)

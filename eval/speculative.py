@@ -29,6 +29,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from eagle3.eval import chain_length as CL  # --draft-steps auto
 from eagle3.target.capture import HiddenStateCapture
 from eagle3.train.acceptance import ChainStats  # one round bookkeeping for eval and training's replay
 
@@ -213,8 +214,7 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     prov = export[2]
     auto = draft_steps == "auto"
     if auto:  # refused before anything loads when the export cannot say what each length accepts
-        from eagle3.eval.chain_length import replay_by_steps
-        replay = replay_by_steps(prov.heldout if prov is not None else None, export_dir)
+        replay = CL.replay_by_steps(prov.heldout if prov is not None else None, export_dir)
         draft_steps = max(replay)
     elif not isinstance(draft_steps, int) or draft_steps < 1:
         raise ValueError(f"draft_steps must be a positive integer or 'auto', got {draft_steps!r}")
@@ -251,10 +251,9 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     dec = SpeculativeDecoder(target, backbone, drafter, indices, eos)
     choice = None
     if auto:
-        from eagle3.eval.chain_length import choose, measure_costs, predict
-        costs = measure_costs(dec, prompts[0], max(replay))
-        predictions = predict(costs, replay)
-        draft_steps = choose(predictions)
+        costs = CL.measure_costs(dec, prompts[0], max(replay))
+        predictions = CL.predict(costs, replay)
+        draft_steps = CL.choose(predictions)
         choice = {"mode": "auto", "costs_s": costs, "chosen": draft_steps,
                   "predicted": [{"steps": k, **v} for k, v in predictions.items()],
                   "predicted_decode_speedup": predictions[draft_steps]["decode_speedup"]}
@@ -308,8 +307,7 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
         "per_prompt": per_prompt,
     }
     if choice is not None:
-        from eagle3.eval.chain_length import predict_run
-        choice["predicted_speedup"] = predict_run(choice["costs_s"], predictions[draft_steps],
+        choice["predicted_speedup"] = CL.predict_run(choice["costs_s"], predictions[draft_steps],
                                                   [len(p) for p in prompts], [len(p["tokens"]) for p in per_prompt])
     if out:
         os.makedirs(out, exist_ok=True)
