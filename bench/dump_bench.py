@@ -119,9 +119,9 @@ def main():
     ap.add_argument("--disk", default=None, help="where the dump and disk probe write (default: a temp dir)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    from eagle3.dump import conversations
+    from eagle3.conversations import masking
     from eagle3.target import load as targets
-    from eagle3.dump.conversations import load_samples
+    from eagle3.conversations.masking import load_samples
     from eagle3.dump.job import DumpConfig, run_dump
     from eagle3.contract import load_manifest
     root = a.disk or tempfile.mkdtemp(prefix="eagle3-dump-bench-")
@@ -142,7 +142,7 @@ def main():
             r = load_samples(*args, **kw)
             setup["samples_s"] = time.perf_counter() - t0
             return r
-        conversations.load_samples = timed_samples
+        masking.load_samples = timed_samples
         data = write_conversations(os.path.join(root, f"{name}.jsonl"), n=max(1, a.tokens // 1990))
         out = os.path.join(root, f"dump-{name}")
         t0 = time.perf_counter()

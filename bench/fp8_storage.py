@@ -52,11 +52,11 @@ def reencode_fp8(src: str, out: str) -> str:
         samples = []
         for n, si in enumerate(t[C.SAMPLE_INDEX].tolist()):
             a, b = off[n], off[n + 1]
-            s = {"sample_index": si, "input_ids": t[C.INPUT_IDS][a:b], "loss_mask": t[C.LOSS_MASK][a:b], "scales": {}}
+            s = {"sample_index": si, "input_ids": t[C.INPUT_IDS][a:b], "loss_mask": t[C.LOSS_MASK][a:b]}
             if C.TARGET_ARGMAX in t:
                 s["target_argmax"] = t[C.TARGET_ARGMAX][a:b]
-            for name, key in zip(state_names(m), [*m.capture.hidden_state_indices, "final"]):
-                s[key], s["scales"][key] = S.quantize_fp8(t[name][a:b])
+            for name in state_names(m):
+                s[name], s[C.scale_key(name)] = S.quantize_fp8(t[name][a:b])
             samples.append(s)
         meta.pop(C.SHARD_INDEX, None)
         records.append(S.write_shard(out, j, samples, m.capture.hidden_state_indices, meta))
@@ -89,8 +89,8 @@ def errors(src: str, fp8: str) -> dict:
 def throughput(path: str, workers: int, token_budget: int, repeats: int, device: str = "cpu", pin: bool = True) -> dict:
     """tokens/s of training batches (read + dequantize + collate), median of `repeats` passes over the whole dump
     after one warm-up pass. device cuda: what the trainer does there, batches pinned, moved to the GPU and fp8
-    states dequantized there (DumpSet fp8_in_batch + dequantize_batch), synchronized before the clock stops."""
-    from eagle3.data.dumps import DumpSet, dequantize_batch
+    states dequantized there (DumpSet fp8_in_batch + Batch.to), synchronized before the clock stops."""
+    from eagle3.data.dumps import DumpSet
     from eagle3.data.loader import BatchPlan, make_loader
     on_gpu = device != "cpu"
     ds = DumpSet(path, verify=False, fp8_in_batch=on_gpu)
@@ -102,16 +102,16 @@ def throughput(path: str, workers: int, token_budget: int, repeats: int, device:
         for b in make_loader(ds, ds.refs, plan, start_step=0, num_steps=steps, num_workers=workers,
                              pin_memory=on_gpu and pin):
             if on_gpu:
-                b = dequantize_batch({k: v.to(device, non_blocking=True) for k, v in b.items()}, torch.bfloat16)
-            tokens += int(b["attention_mask"].sum())
-            nbytes += b["hidden_state"].numel() * b["hidden_state"].element_size()
+                b = b.to(device, torch.bfloat16)
+            tokens += int(b.attention_mask.sum())
+            nbytes += b.hidden_state.numel() * b.hidden_state.element_size()
         if on_gpu:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         if rep:  # the first pass warms the page cache
             runs.append({"tokens_s": tokens / dt, "batch_GB_s": nbytes / dt / 1e9, "seconds": dt})
     m = ds.manifest
-    return {"dump": path, "storage": m.storage, "device": device, "pin_memory": on_gpu and pin, "read_as": str(b["hidden_state"].dtype).removeprefix("torch."),
+    return {"dump": path, "storage": m.storage, "device": device, "pin_memory": on_gpu and pin, "read_as": str(b.hidden_state.dtype).removeprefix("torch."),
             "shard_bytes": m.totals["bytes"], "bytes_per_token": m.totals["bytes"] / m.totals["tokens"],
             "batches_per_pass": steps, "median_tokens_s": statistics.median(r["tokens_s"] for r in runs),
             "runs": runs}

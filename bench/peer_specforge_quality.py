@@ -21,7 +21,7 @@ core/eagle3_adapters.py `SdpaLikeAdapter.step_view`, modeling/draft/llama3_eagle
 
 * Its offline feature file holds, per token t of a conversation, exactly what our dump holds: `aux_hidden_state[t]`
   (the captured layers concatenated low -> high = our `hidden_state[t]`), `hidden_state[t]` (the target's
-  post-final-norm state = our `target_hidden[t]`), `input_ids[t]`, and `loss_mask[t]` = 1 on assistant content and
+  post-final-norm state = our `final_hidden[t]`), `input_ids[t]`, and `loss_mask[t]` = 1 on assistant content and
   end-of-turn tokens (its parser marks the assistant span `header ... end_of_turn`, like our dump's mask).
   `normalize_offline_sample` sets the LAST token's loss_mask to 0 (per sample); its collator right-pads with zeros.
 * `TargetHead.preprocess` (also on the compact-teacher path) shifts `input_ids` and the target hidden state LEFT by
@@ -268,21 +268,21 @@ def build_draft(sf, drafter, embed: torch.Tensor, d2t: torch.Tensor, t2d: torch.
     return draft.to(device=device, dtype=dtype)
 
 
-def specforge_inputs(sf, batch: dict, head: torch.Tensor, device, dtype) -> dict:
-    """Our collated batch -> OnlineEagle3Model.forward kwargs, as SpecForge's own offline pipeline builds them for
+def specforge_inputs(sf, batch, head: torch.Tensor, device, dtype) -> dict:
+    """Our collated batch (data/batch.py Batch) -> OnlineEagle3Model.forward kwargs, as SpecForge's own offline pipeline builds them for
     the same conversations (normalize_offline_sample, zero-padding collator, TargetHead.preprocess, compact
     teacher): loss_mask of each sample's last real token set to 0; input_ids and the target hidden state shifted
     left by one token over the padded batch (zero at the end); loss_mask left unshifted, [B, T, 1]."""
-    am = batch["attention_mask"].long()
+    am = batch.attention_mask.long()
     lengths = am.sum(1)
-    loss_mask = batch["loss_mask"].long().clone()
+    loss_mask = batch.loss_mask.long().clone()
     rows = torch.nonzero(lengths > 0).squeeze(-1)
     loss_mask[rows, lengths[rows] - 1] = 0
     fl = dict(device=device, dtype=dtype)
-    return dict(input_ids=sf.padding(batch["input_ids"].long(), left=False).to(device),
+    return dict(input_ids=sf.padding(batch.input_ids.long(), left=False).to(device),
                 attention_mask=am.to(device), target=None, loss_mask=loss_mask[..., None].to(device),
-                hidden_states=batch["hidden_state"].to(**fl),
-                target_hidden_for_compact=sf.padding(batch["target_hidden"], left=False).to(**fl),
+                hidden_states=batch.hidden_state.to(**fl),
+                target_hidden_for_compact=sf.padding(batch.final_hidden, left=False).to(**fl),
                 target_head_weight=head)
 
 
@@ -482,6 +482,7 @@ def check_export(sf, out: str, embed: torch.Tensor, batch: dict, ttt: int) -> fl
     compute the same TTT step outputs (the backbone output each step hands on) and the same draft logits (what
     lm_head reads: the fc_norm and norm_output mapping) on the first sample of a batch, fp32 on the CPU. Returns
     the max relative difference."""
+    from eagle3.data.batch import Batch
     from eagle3.model.checkpoint import export_drafter_config, load_export
     from eagle3.eval.speculative import load_drafter_from_export
     ours = load_drafter_from_export(out, embed, torch.float32, torch.device("cpu"))
@@ -492,10 +493,10 @@ def check_export(sf, out: str, embed: torch.Tensor, batch: dict, ttt: int) -> fl
                                                  for k, v in tensors.items()}, strict=False)
     if set(missing) != {"embed_tokens.weight"} or unexpected:
         raise RuntimeError(f"export does not fit SpecForge's model: missing {missing}, unexpected {unexpected}")
-    n = int(batch["attention_mask"][0].sum())
-    one = {k: v[:1, :n] for k, v in batch.items()}
+    n = int(batch.attention_mask[0].sum())
+    one = Batch(**{k: v[:1, :n] for k, v in batch.tensors().items()})
     model = sf.OnlineEagle3Model(draft, length=ttt, attention_backend="sdpa")
-    head = torch.randn(embed.shape[0], one["target_hidden"].shape[-1])  # the teacher plays no part here
+    head = torch.randn(embed.shape[0], one.final_hidden.shape[-1])  # the teacher plays no part here
     kw = specforge_inputs(sf, one, head, "cpu", torch.float32)
     import torch._dynamo as dynamo
     triton_loss = sf.model_module.LogSoftmaxLoss
@@ -505,7 +506,7 @@ def check_export(sf, out: str, embed: torch.Tensor, batch: dict, ttt: int) -> fl
             theirs, _ = step_outputs(model, kw)
     finally:
         sf.model_module.LogSoftmaxLoss = triton_loss
-    mine = ours.ttt_forward(one["hidden_state"].float(), one["input_ids"].long(), None, steps=ttt)
+    mine = ours.ttt_forward(one.hidden_state.float(), one.input_ids.long(), None, steps=ttt)
     if len(mine) != len(theirs):
         raise RuntimeError(f"{len(mine)} TTT steps of ours vs {len(theirs)} of SpecForge's")
     worst = 0.0
@@ -524,13 +525,14 @@ def main(argv=None) -> dict:
         import torch._dynamo as dynamo
         dynamo.config.disable = True  # SpecForge's @torch.compile'd RMSNorm / RoPE run eagerly
     from eagle3 import contract as C
+    from eagle3.data.batch import Batch
     from eagle3.data.dumps import DumpSet, split
     from eagle3.data.loader import BatchPlan, make_loader
     from eagle3.data.vocab import load_vocab
     from eagle3.model import OPTIONS
     from eagle3.model.checkpoint import export_drafter_config, load_export
     from eagle3.target.weights import load_embedding_and_head
-    from eagle3.train.trainer import check_target_matches_dumps
+    from eagle3.train.setup import check_target_matches_dumps
 
     device = torch.device(a.device)
     on_gpu = device.type == "cuda"
@@ -609,7 +611,7 @@ def main(argv=None) -> dict:
     step = 0
     for batch in loader:
         if first_batch is None:
-            first_batch = {k: v.clone() for k, v in batch.items()}
+            first_batch = Batch(**{k: v.clone() for k, v in batch.tensors().items()})
         kw = specforge_inputs(sf, batch, head, device, dtype)
         plosses, accept, acces, corrects, denoms, mlosses, mdenoms = model(**kw)
         loss = sum(a.step_decay ** i * pl for i, pl in enumerate(plosses))
@@ -623,7 +625,7 @@ def main(argv=None) -> dict:
                                  torch.zeros(K, dtype=torch.float64, device=device),
                                  torch.zeros(K, dtype=torch.float64, device=device)])
             loss_since = loss_since + loss.detach().double()  # no host sync per step
-        ntok = int(batch["attention_mask"].sum())
+        ntok = int(batch.attention_mask.sum())
         tok_since += ntok
         tok_total += ntok
         n_since += 1

@@ -41,9 +41,9 @@ def write_synthetic(out: str, hidden: int, tokens: int, indices=(3, 31, 59), lay
         n = min(n, tokens - done)
         s = {"sample_index": si, "input_ids": torch.randint(0, 32000, (n,), generator=g).tolist(),
              "loss_mask": (torch.rand(n, generator=g) < 0.6).int().tolist(),
-             "final": torch.randn(n, hidden, generator=g).bfloat16()}
+             C.FINAL_HIDDEN: torch.randn(n, hidden, generator=g).bfloat16()}
         for k in indices:
-            s[k] = torch.randn(n, hidden, generator=g).bfloat16()
+            s[C.hidden_state_key(k)] = torch.randn(n, hidden, generator=g).bfloat16()
         shard.append(s)
         shard_tokens += n
         done += n

@@ -30,12 +30,12 @@ def main() -> None:
     a = p.parse_args()
 
     from eagle3.data.dumps import DumpSet, split
-    from eagle3.data.dumps import collate
+    from eagle3.data.batch import collate
     from eagle3.eval.speculative import load_drafter_from_export
     from eagle3.train.acceptance import ChainStats, walk
     from eagle3.train.config import TrainConfig
     from eagle3.target.weights import load_embedding_and_head
-    from eagle3.train.trainer import DrafterTrainStep
+    from eagle3.train.step import DrafterTrainStep
 
     q = a.quickstart
     summary = json.load(open(os.path.join(q, "summary.json")))
@@ -69,14 +69,14 @@ def main() -> None:
         for i, r in enumerate(refs):
             b = collate([dumps.standardized(r, concat=False)])
             b = {k: (v.to(device, torch.float32) if v.is_floating_point() else v.to(device)) for k, v in b.items()}
-            _, _, hits = step(b["hidden_state"], b["input_ids"], b["attention_mask"], b["loss_mask"],
-                              b["target_hidden"], b.get("target_argmax"), with_hits=True)
+            _, _, hits = step(b.hidden_state, b.input_ids, b.attention_mask, b.loss_mask, b.final_hidden,
+                              b.target_argmax, with_hits=True)
             # the eval answers each prompt's first user turn only
-            mine = walk(hits, b["loss_mask"], b["attention_mask"], K, max_new, first_turn_only=True)
+            mine = walk(hits, b.loss_mask, b.attention_mask, K, max_new, first_turn_only=True)
             chain.merge(mine)
             if per_prompt:  # the dumped answer (its first max_new tokens) against the eval's greedy answer
-                s0, e0 = assistant_turns(b["loss_mask"][0], b["attention_mask"][0])[0]
-                answer = b["input_ids"][0, s0:e0].tolist()[:max_new]
+                s0, e0 = assistant_turns(b.loss_mask[0], b.attention_mask[0])[0]
+                answer = b.input_ids[0, s0:e0].tolist()[:max_new]
                 got = per_prompt[i]["tokens"][:max_new]
                 if got == answer:
                     identical.append(i)

@@ -107,9 +107,9 @@ def batch(T, head, seed=1):
          "input_ids": torch.randint(0, VT, (1, T), device="cuda", generator=g),
          "attention_mask": torch.ones(1, T, dtype=torch.long, device="cuda"),
          "loss_mask": torch.ones(1, T, dtype=torch.long, device="cuda"),
-         "target_hidden": torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16, generator=g)}
+         "final_hidden": torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16, generator=g)}
     with torch.no_grad():  # what the dump records: the target's full-vocab argmax per token
-        b["target_argmax"] = torch.cat([(c @ head.T).argmax(-1) for c in b["target_hidden"][0].split(4096)])[None]
+        b["target_argmax"] = torch.cat([(c @ head.T).argmax(-1) for c in b["final_hidden"][0].split(4096)])[None]
     return b
 
 
@@ -136,10 +136,10 @@ def make_step(variant, K, drafter, head, draft_head, b):
     def step(ev=None):
         outs = drafter(b["hidden_state"], b["input_ids"], b["attention_mask"], steps=K, fast=variant != "eager")
         if variant == "eager":
-            loss, _ = eagle3_loss(drafter, outs, b["target_hidden"], head, b["input_ids"], b["loss_mask"],
+            loss, _ = eagle3_loss(drafter, outs, b["final_hidden"], head, b["input_ids"], b["loss_mask"],
                                   b["attention_mask"], chunk_tokens=4096)
         else:
-            loss, _ = eagle3_loss_fused(drafter, outs, b["target_hidden"], b["input_ids"], b["loss_mask"],
+            loss, _ = eagle3_loss_fused(drafter, outs, b["final_hidden"], b["input_ids"], b["loss_mask"],
                                         b["attention_mask"], chunk_tokens=4096, lm_head_weight=head,
                                         target_argmax=None if variant == "fast_full" else b["target_argmax"],
                                         draft_head_weight=draft_head)
@@ -158,7 +158,8 @@ def run_plain(variant, T, K, iters, ckpt, drafter, head, draft_head):
 def run_engine(T, K, iters, ckpt):
     import deepspeed
     from eagle3.train.config import TrainConfig
-    from eagle3.train.trainer import DrafterTrainStep, deepspeed_config
+    from eagle3.train.step import DrafterTrainStep
+    from eagle3.train.setup import deepspeed_config
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": "29611"}.items():
         os.environ.setdefault(k, v)
@@ -174,7 +175,7 @@ def run_engine(T, K, iters, ckpt):
 
     def step(ev):
         loss, stats = engine(b["hidden_state"], b["input_ids"], b["attention_mask"], b["loss_mask"],
-                             b["target_hidden"], b["target_argmax"])
+                             b["final_hidden"], b["target_argmax"])
         engine.backward(loss)
         if ev:
             ev[1].record()  # forward + backward done; ev[-1] (after the optimizer) is recorded by timed()

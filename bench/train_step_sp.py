@@ -48,7 +48,8 @@ def main():
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     n = dist.get_world_size()
-    from eagle3.train.sequence_parallel import sequence_parallel_loss, sequence_pieces_loss
+    from eagle3.train.pieces import sequence_pieces_loss
+    from eagle3.train.sequence_parallel import sequence_parallel_loss
     drafter, head = build()
     draft_head = head[drafter.t2d.to(head.device)].clone()
     peak = matmul_peak() * n
@@ -61,7 +62,7 @@ def main():
         torch.cuda.reset_peak_memory_stats()
 
         def step(ev=None):
-            args = (drafter, head, b["hidden_state"], b["input_ids"], b["loss_mask"], b["target_hidden"])
+            args = (drafter, head, b["hidden_state"], b["input_ids"], b["loss_mask"], b["final_hidden"])
             kw = dict(steps=a.steps, decay=0.8, chunk_tokens=4096, attention_mask=b["attention_mask"], fast=True,
                       target_argmax=b["target_argmax"], draft_head=draft_head)
             if P > 1:

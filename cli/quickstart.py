@@ -14,42 +14,67 @@ import sys
 import time
 from dataclasses import dataclass
 
+from eagle3.eval.speculative import draft_steps_arg
+from eagle3.options import opt
+from eagle3.train.config import INIT_HEADS, LOSS_TOKENS
+from eagle3.train.loss import LOSSES
+
 
 @dataclass
 class QuickstartConfig:
-    out: str = "runs/quickstart"
-    num_samples: int | None = None   # input conversations to regenerate; default 8000 on a GPU, on a CPU 1000 where
-                                     # its bf16 GEMMs are fast (core/cpu.py) else 500
-    max_length: int = 512            # dump: tokens per conversation; the GPU default is 1024
-    regen_max_new_tokens: int | None = None  # regenerate: tokens per answer; default 96 on a CPU, 512 on a GPU
-    dtype: str | None = None         # regenerate + dump dtype; default: regenerate bf16 on a GPU, else fp32; dump fp32
-    regen_batch_size: int | None = None  # regenerate: conversations per generate call; default 128 CPU, 1024 GPU
-    init_head: str | None = None     # train: 'target' or 'random' draft head (default: the trainer's)
-    loss_tokens: str | None = None   # train: 'assistant' or 'all' positions in the loss (default: the trainer's)
-    aux_noise: float | None = None   # train: feature noise on the captured states (default: the trainer's, off)
-    loss: str | None = None          # train: 'kl', 'lk' or 'lk-hybrid' objective (default: the trainer's, kl)
-    train_dtype: str | None = None   # train: 'bf16' or 'fp32'; default bf16 on a GPU and on a CPU whose bf16 GEMMs are
-                                     # fast (core/cpu.py), else fp32
-    temperature: float = 0.0         # regenerate: sampling temperature (0 = greedy, as greedy serving decodes)
-    max_turns: int | None = 1        # regenerate: assistant turns per conversation (None = all)
-    train_steps: int | None = None   # default: 2000 on a GPU, on a CPU 700 with fast bf16 GEMMs else 500
-    token_budget: int | None = None  # padded tokens per step; default 1024 on a CPU, 8192 on a GPU
-    draft_vocab_size: int | None = None  # default: 2048 on a CPU (cheaper head), the drafter preset's on a GPU
-    lr: float | None = None          # default: the example training preset's
-    drafter: str | None = None       # a configs/drafters preset; default: the example training preset's
-    fc_norm: bool | None = None      # train: the EAGLE-3.1 options (default: the drafter preset's)
-    norm_before_fc: bool | None = None
-    norm_output: bool | None = None
-    draft_steps: int | str = "auto"  # chain length in eval; "auto": the fastest by measurement (eval/chain_length.py)
-    max_draft_steps: int | None = None  # with "auto": the longest chain considered (5 on a CPU, 7 on a GPU); it is
-                                     # training's held-out replay length (and the CPU's TTT unroll)
-    ttt_steps: int | None = None     # training-time-test unroll; default: draft_steps on a CPU, the preset's on a GPU
-    eval_prompts: int = 8
-    max_new_tokens: int = 64
-    held_out_fraction: float = 0.05
-    device: str | None = None
-    data: str | None = None          # a ShareGPT/messages .jsonl instead of the packaged ShareGPT (one record a line)
-    progress: bool = True
+    """`eagle3 quickstart`'s flags. None: chosen for the machine (below, run_quickstart) or left to the stage."""
+    out: str = opt("runs/quickstart", "directory of every stage's output (rerun to resume)")
+    num_samples: int | None = opt(None, "input conversations the target answers (those it can): default 8000 on a GPU; "
+                                        "on a CPU 1000 where its bf16 GEMMs are fast (AMX), else 500")  # core/cpu.py
+    max_length: int = opt(512, "dump: tokens per conversation (GPU: 1024)")
+    regen_max_new_tokens: int | None = opt(None, "regenerate: tokens per answer (default 96 on a CPU, 512 on a GPU)")
+    temperature: float = opt(0.0, "regenerate: 0 = greedy")  # greedy, as greedy serving decodes
+    dtype: str | None = opt(None, "regenerate and dump dtype (default: regenerate bf16 on a GPU, fp32 on a CPU; dump "
+                                  "fp32, the eval's)", choices=["bf16", "fp32"])
+    regen_batch_size: int | None = opt(None, "regenerate: conversations per generate call (default 128 on a CPU, 1024 "
+                                             "on a GPU)")
+    init_head: str | None = opt(None, "train: start the draft head from the target's lm_head rows and final norm, or "
+                                      "at random", choices=INIT_HEADS)  # default: the trainer's
+    aux_noise: float | None = opt(None, "train: Gaussian noise on the captured states, std relative to each layer's "
+                                        "per-token RMS (default: off)")
+    train_dtype: str | None = opt(None, "train dtype (default: bf16 on a GPU and on a CPU with fast bf16 GEMMs, else "
+                                        "fp32)", choices=["bf16", "fp32"])  # core/cpu.py
+    loss_tokens: str | None = opt(None, "train: learn at the assistant's tokens only (the trainer's default) or at "
+                                        "every real token", choices=LOSS_TOKENS)
+    loss: str | None = opt(None, "train: the objective, soft cross-entropy (kl, the trainer's default) or the LK "
+                                 "losses on the expected acceptance (lk, lk-hybrid with the trainer's default "
+                                 "weights; eagle3 train --help)", choices=LOSSES)
+    max_turns: int | None = opt(1, "regenerate: assistant turns per conversation")  # None = all
+    train_steps: int | None = opt(None, "default: 2000 on a GPU; on a CPU 700 with fast bf16 GEMMs, else 500")
+    token_budget: int | None = opt(None, "padded tokens per training step")  # 1024 on a CPU, 8192 on a GPU
+    # 2048 on a CPU (a cheaper head), the drafter preset's on a GPU
+    draft_vocab_size: int | None = opt(None, "default: 2048 on a CPU, the preset's on a GPU")
+    lr: float | None = opt(None, "default: the example training preset's")
+    drafter: str | None = opt(None, "train: a configs/drafters preset (default: the example training preset's, "
+                                    "smollm2-135m)")
+    # the EAGLE-3.1 options (None: the drafter preset's)
+    fc_norm: bool | None = opt(None, "train: EAGLE-3.1: one RMSNorm per captured state before fc (default: on, the "
+                                     "example training preset's)")
+    norm_before_fc: bool | None = opt(None, "train: one RMSNorm over the concatenated captured states before fc "
+                                            "(default: off, the example training preset's)")
+    norm_output: bool | None = opt(None, "train: EAGLE-3.1: lm_head reads, and the next draft step receives, the "
+                                         "post-norm hidden (default: on, the example training preset's)")
+    ttt_steps: int | None = opt(None, "training-time-test unroll (default: --draft-steps on a CPU, the preset's on a "
+                                      "GPU)")
+    draft_steps: int | str = opt("auto", "chain length in the eval, or 'auto' (the default): training replays every "
+                                         "length up to --max-draft-steps on held-out answers, the eval measures what "
+                                         "each costs on this machine and decodes at the fastest (eval --draft-steps "
+                                         "auto)", type=draft_steps_arg)  # eval/chain_length.py
+    # it is training's held-out replay length (and the CPU's TTT unroll)
+    max_draft_steps: int | None = opt(None, "with --draft-steps auto: the longest chain considered (default: 5 on a "
+                                            "CPU, 7 on a GPU)")
+    eval_prompts: int = opt(8, "eval: held-out prompts decoded")
+    max_new_tokens: int = opt(64, "eval: tokens per prompt")
+    held_out_fraction: float = opt(0.05, "share of conversations kept out of training (the eval's prompts come from "
+                                         "them)")
+    device: str | None = opt(None, "cpu | cuda (default: cuda if available)")
+    data: str | None = opt(None, "a .jsonl of conversations instead of the packaged ShareGPT")  # a record a line
+    progress: bool = True  # no flag
 
 
 def _stage(i: int, n: int, what: str) -> None:
@@ -138,7 +163,8 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     from eagle3.regenerate.files import CONVERSATIONS
     from eagle3.regenerate.job import run_regenerate
     from eagle3.train.config import TrainConfig, load_yaml
-    from eagle3.train.trainer import drafter_config, train
+    from eagle3.train.setup import drafter_config
+    from eagle3.train.trainer import train
 
     on_gpu = q.device != "cpu" and torch.cuda.is_available()
     # The eval checks losslessness token for token, so it runs the target in fp32 (a K+1-token verify forward and

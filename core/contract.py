@@ -30,6 +30,9 @@ SAMPLE_INDEX = "sample_index"
 # Optional (dumps since the fast trainer): the target's full-vocab argmax at each token, int32. With it the
 # trainer's teacher multiplies only the draft-vocab rows of the target head (docs/contract.md §9 needs nothing else).
 TARGET_ARGMAX = "target_argmax"
+# The captured states concatenated in ascending HF index (standardize_data_v1): the drafter's input, in a
+# standardized sample and a training batch (data/batch.py), never in a shard.
+HIDDEN_STATE = "hidden_state"
 HF_INDEX_CONVENTION = "hf_hidden_states_index"  # CaptureSpec.convention: the one naming of captured states (§1)
 HIDDEN_PREFIX = "hidden_states."
 
@@ -308,14 +311,20 @@ class DumpManifest:
 
     def identity(self) -> dict:
         """What two dumps must share to be mixed, and a run resumed into the same OUT must match."""
-        return {"target.config_sha256": self.target.config_sha256,
-                "target.weights_sha256": self.target.weights_sha256,
-                "target.architecture": self.target.architecture,
-                "target.hidden_size": self.target.hidden_size,
-                "target.vocab_size": self.target.vocab_size,
-                "capture.hidden_state_indices": list(self.capture.hidden_state_indices),
-                "tokenizer.sha256": self.tokenizer.sha256,
-                "tokenizer.chat_template_sha256": self.tokenizer.chat_template_sha256}
+        return {**target_identity(self.target, self.tokenizer),
+                "capture.hidden_state_indices": list(self.capture.hidden_state_indices)}
+
+
+def target_identity(target: TargetInfo, tokenizer: TokenizerInfo | None = None) -> dict:
+    """The target's part of DumpManifest.identity() (the keys a manifest, run or export records): what stages
+    compare with what they were made from."""
+    ident = {"target.config_sha256": target.config_sha256, "target.weights_sha256": target.weights_sha256,
+             "target.architecture": target.architecture, "target.hidden_size": target.hidden_size,
+             "target.vocab_size": target.vocab_size}
+    if tokenizer is not None:
+        ident.update({"tokenizer.sha256": tokenizer.sha256,
+                      "tokenizer.chat_template_sha256": tokenizer.chat_template_sha256})
+    return ident
 
 
 MANIFEST_FILE = "manifest.json"

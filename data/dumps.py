@@ -9,8 +9,8 @@ dumps holding the same record of the same data file, are refused.
 
 A dump stored in fp8 (docs/contract.md §3) is dequantized as it is read (`q * scale`, in float32, then the dtype
 asked for: by default the dump's own --dtype), so consumers see the same tensors as from a dump stored in dtype.
-With `fp8_in_batch=True` the states stay fp8 through `collate` instead (a quarter of bf16's bytes to copy and ship)
-and `dequantize_batch` does the same float32 multiply where the batch is used: on the GPU that costs nothing, while
+With `fp8_in_batch=True` the states stay fp8 through `collate` (data/batch.py) instead (a quarter of bf16's bytes to
+copy and ship) and `Batch.dequantized` does the same float32 multiply where the batch is used: on the GPU that costs nothing, while
 the readers' CPU conversion limits them to ~1.3x the trainer at the Kimi shape (bench/RESULTS.md, fp8 storage).
 """
 
@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import bisect
 import logging
-import math
 import os
 from dataclasses import dataclass
 
 import torch
-import torch.utils.data
 from safetensors import safe_open
 from tqdm import tqdm
 
@@ -103,7 +101,7 @@ class DumpSet:
         self._handles: dict = {}
         self._deq_dtype = [(dtype or getattr(torch, m.dtype)) if m.storage == C.STORAGE_FP8 else None
                            for m in self.manifests]  # per dump: None = stored as read
-        # standardized(): fp8 states and their scales as stored, for collate + dequantize_batch (module docstring)
+        # standardized(): fp8 states and their scales as stored, for collate + Batch.dequantized (module docstring)
         self.fp8_in_batch = fp8_in_batch
         self._refuse_shared_samples()
 
@@ -256,76 +254,3 @@ def split(refs: list[SampleRef], held_out_fraction: float, seed: int = 0) -> tup
     for r in refs:
         (held if is_held_out(r.sample_index, held_out_fraction, seed) else train).append(r)
     return train, held
-
-
-def _batch_tensor(shape, dtype) -> torch.Tensor:
-    """Uninitialised; in a DataLoader worker, in shared memory already, so handing it over copies nothing."""
-    if torch.utils.data.get_worker_info() is None:
-        return torch.empty(shape, dtype=dtype)
-    n = math.prod(shape)
-    storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(n)
-    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
-
-
-# The float32 scales an fp8_in_batch batch carries for hidden_state and target_hidden (moved as they are; consumed
-# by dequantize_batch).
-BATCH_SCALES = ("hidden_scale", "target_scale")
-
-
-def collate(samples: list[dict], pad_id: int = 0) -> dict:
-    """Right-pad standardized samples into a batch with an attention mask. Samples may carry `hidden_state` or
-    `hidden_parts` (standardized(concat=False)): the parts are written straight into their columns."""
-    B, T = len(samples), max(s["input_ids"].shape[0] for s in samples)
-    first = samples[0]
-    parts0 = first.get("hidden_parts")
-    hs_dtype = first["hidden_state"].dtype if parts0 is None else parts0[0].dtype
-    hs_width = first["hidden_state"].shape[-1] if parts0 is None else sum(p.shape[-1] for p in parts0)
-    fp8 = "hidden_scales" in first  # fp8_in_batch: q as stored, one float32 scale per (token, state)
-    out = {
-        "input_ids": torch.full((B, T), pad_id, dtype=torch.long),
-        "loss_mask": torch.zeros((B, T), dtype=torch.uint8),
-        "attention_mask": torch.zeros((B, T), dtype=torch.long),
-        "hidden_state": _batch_tensor((B, T, hs_width), hs_dtype),
-        "target_hidden": _batch_tensor((B, T, first["target_hidden"].shape[-1]), first["target_hidden"].dtype),
-    }
-    if fp8:  # padding: scale 0 and q 0 read back as 0, as the padding of a dequantized batch
-        out[BATCH_SCALES[0]] = torch.zeros((B, T, len(first["hidden_scales"])), dtype=torch.float32)
-        out[BATCH_SCALES[1]] = torch.zeros((B, T), dtype=torch.float32)
-    if all(C.TARGET_ARGMAX in s for s in samples):  # the dump recorded the teacher's argmax (all or nothing)
-        out[C.TARGET_ARGMAX] = torch.zeros((B, T), dtype=torch.long)
-    for b, s in enumerate(samples):
-        n = s["input_ids"].shape[0]
-        if C.TARGET_ARGMAX in out:
-            out[C.TARGET_ARGMAX][b, :n] = s[C.TARGET_ARGMAX]
-        out["input_ids"][b, :n] = s["input_ids"]
-        out["loss_mask"][b, :n] = s["loss_mask"]
-        out["attention_mask"][b, :n] = 1
-        if "hidden_parts" in s:
-            c = 0
-            for p in s["hidden_parts"]:
-                out["hidden_state"][b, :n, c:c + p.shape[-1]] = p
-                c += p.shape[-1]
-        else:
-            out["hidden_state"][b, :n] = s["hidden_state"]
-        out["target_hidden"][b, :n] = s["target_hidden"]
-        if fp8:
-            for j, sc in enumerate(s["hidden_scales"]):
-                out["hidden_scale"][b, :n, j] = sc
-            out["target_scale"][b, :n] = s["target_scale"]
-        out["hidden_state"][b, n:] = 0  # only the padding is zeroed (the rest was just written)
-        out["target_hidden"][b, n:] = 0
-    return out
-
-
-def dequantize_batch(batch: dict, dtype: torch.dtype) -> dict:
-    """A collated batch of an `fp8_in_batch` DumpSet -> the batch the reader would have dequantized: the reader's
-    own dump.shards.dequantize_fp8 on each state, where the batch is (move it to the GPU first). A batch without
-    scales is returned as it is."""
-    if BATCH_SCALES[0] not in batch:
-        return batch
-    out = dict(batch)
-    sc = out.pop(BATCH_SCALES[0])
-    B, T, n = sc.shape
-    out["hidden_state"] = dequantize_fp8(out["hidden_state"].view(B, T, n, -1), sc, dtype).view(B, T, -1)
-    out["target_hidden"] = dequantize_fp8(out["target_hidden"], out.pop(BATCH_SCALES[1]), dtype)
-    return out

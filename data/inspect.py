@@ -6,11 +6,12 @@ import json
 import os
 
 from eagle3 import contract as C
+from eagle3.data.dumps import DumpSet
+from eagle3.data.vocab import count_tokens, coverage, load_vocab, select_draft_vocab
+from eagle3.vocab_map import vocab_map
 
 
 def inspect_dump(path: str, verify: bool = True, vocab_sizes=(8192, 16384, 32000)) -> dict:
-    from eagle3.data.dumps import DumpSet
-    from eagle3.data.vocab import count_tokens, coverage, select_draft_vocab, vocab_map
     m = C.load_manifest(path)
     report: dict = {"kind": "dump", "path": os.path.abspath(path), "format": f"{m.format} v{m.format_version}",
                     "target": vars(m.target), "capture": {"hidden_state_indices": m.capture.hidden_state_indices,
@@ -34,7 +35,6 @@ def inspect_dump(path: str, verify: bool = True, vocab_sizes=(8192, 16384, 32000
         str(n): coverage(counts, vocab_map(select_draft_vocab(counts, n), V)[1]) for n in vocab_sizes if n <= V}
     vocab_file = os.path.join(path, "vocab.safetensors")
     if os.path.isfile(vocab_file):
-        from eagle3.data.vocab import load_vocab
         report["vocab_file"] = {"path": vocab_file, "coverage": coverage(counts, load_vocab(vocab_file)["t2d"])}
     return report
 

@@ -15,7 +15,8 @@ from typing import Iterator
 from torch.utils.data import DataLoader, Dataset
 
 from eagle3.batching import group_by_length
-from eagle3.data.dumps import DumpSet, SampleRef, collate
+from eagle3.data.batch import collate
+from eagle3.data.dumps import DumpSet, SampleRef
 
 
 def length_grouped_batches(lengths: list[int], token_budget: int, seed: int, epoch: int, world_size: int,

@@ -18,9 +18,11 @@ VERSION = C.STANDARDIZE_VERSION
 def standardize_data_v1(sample: dict, manifest: DumpManifest, source: str = "sample", concat: bool = True) -> dict:
     """sample: `input_ids [T]`, `loss_mask [T]`, `hidden_states.<k> [T, H]` per captured k, `final_hidden [T, H]`.
 
-    Returns `input_ids [T]`, `loss_mask [T]`, `hidden_state [T, n*H]` (ascending HF index), `target_hidden [T, H]`.
+    Returns `input_ids [T]`, `loss_mask [T]`, `hidden_state [T, n*H]` (ascending HF index), `final_hidden [T, H]`
+    (the contract's names: data/batch.py), and what the sample has of `target_argmax [T]` and, for fp8 states left
+    quantized, their scales (`hidden_state.scale`: a list, one [T] per captured state; `final_hidden.scale` [T]).
     `source` names the shard and sample in errors. concat=False returns `hidden_parts` (the list that
-    hidden_state concatenates, ascending HF index) instead, for `data.dumps.collate` to write in place."""
+    hidden_state concatenates, ascending HF index) instead, for `data.batch.collate` to write in place."""
     indices = sorted(manifest.capture.hidden_state_indices)
     H = manifest.target.hidden_size
     missing = [C.hidden_state_key(k) for k in indices if C.hidden_state_key(k) not in sample]
@@ -50,14 +52,14 @@ def standardize_data_v1(sample: dict, manifest: DumpManifest, source: str = "sam
                                 f"values, expected ({T},) finite (the fp8 scale of each token)")
     if sample[C.LOSS_MASK].shape[0] != T:
         raise ContractError(f"{source}: loss_mask has {sample[C.LOSS_MASK].shape[0]} tokens, input_ids {T}")
-    out = {"input_ids": sample[C.INPUT_IDS], "loss_mask": sample[C.LOSS_MASK], "target_hidden": sample[C.FINAL_HIDDEN]}
+    out = {C.INPUT_IDS: sample[C.INPUT_IDS], C.LOSS_MASK: sample[C.LOSS_MASK], C.FINAL_HIDDEN: sample[C.FINAL_HIDDEN]}
     if concat:
-        out["hidden_state"] = torch.cat(parts, dim=-1)
+        out[C.HIDDEN_STATE] = torch.cat(parts, dim=-1)
     else:  # the same columns, left for the batch collate to place (saves a copy of every sample)
         out["hidden_parts"] = parts
     if C.scale_key(C.FINAL_HIDDEN) in sample:  # fp8 states left quantized: their scales, in the same order
-        out["hidden_scales"] = [sample[C.scale_key(C.hidden_state_key(k))] for k in indices]
-        out["target_scale"] = sample[C.scale_key(C.FINAL_HIDDEN)]
+        out[C.scale_key(C.HIDDEN_STATE)] = [sample[C.scale_key(C.hidden_state_key(k))] for k in indices]
+        out[C.scale_key(C.FINAL_HIDDEN)] = sample[C.scale_key(C.FINAL_HIDDEN)]
     if C.TARGET_ARGMAX in sample:  # optional: the target's full-vocab argmax per token (the fast teacher)
         am = sample[C.TARGET_ARGMAX]
         if am.shape != (T,):

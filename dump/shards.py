@@ -167,22 +167,23 @@ def write_safetensors(path: str, tensors: dict[str, list[torch.Tensor]], metadat
 
 
 def write_shard(out_dir: str, j: int, samples: list[dict], indices: list[int], meta: dict) -> ShardRecord:
-    """samples: [{'sample_index', 'input_ids' [T], 'loss_mask' [T], 'final' [T,H], k: [T,H] ..., optionally
-    'target_argmax' [T], and for fp8 storage 'scales': {'final' and each k: [T] float32}}] on CPU, in order.
+    """samples: [{'sample_index', 'input_ids' [T], 'loss_mask' [T], and the tensors under their shard names:
+    'final_hidden' [T,H] and 'hidden_states.<k>' [T,H] for each captured k, optionally 'target_argmax' [T], and
+    for fp8 storage each state's scales '<name>.scale' [T] float32}] on CPU, in order.
     Tensors are laid out so that every tensor's data stays aligned (wider elements first)."""
     lengths = [len(s["input_ids"]) for s in samples]
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    states = {C.FINAL_HIDDEN: "final", **{C.hidden_state_key(k): k for k in indices}}
+    states = [C.FINAL_HIDDEN, *map(C.hidden_state_key, indices)]
     tensors = {
         C.SAMPLE_OFFSETS: [offsets],
         C.SAMPLE_INDEX: [torch.tensor([s["sample_index"] for s in samples], dtype=torch.int64)],
     }
-    state_tensors = {name: [s[src] for s in samples] for name, src in states.items()}
-    fp8 = bool(samples) and "scales" in samples[0]
+    state_tensors = {name: [s[name] for s in samples] for name in states}
+    fp8 = bool(samples) and C.scale_key(C.FINAL_HIDDEN) in samples[0]
     if fp8:  # 4-byte scales and ids before the 1-byte states (the bf16 order would misalign them for odd N*H)
-        tensors.update({C.scale_key(name): [s["scales"][src].to(torch.float32) for s in samples]
-                        for name, src in states.items()})
+        tensors.update({C.scale_key(name): [s[C.scale_key(name)].to(torch.float32) for s in samples]
+                        for name in states})
     else:
         tensors.update(state_tensors)
     tensors[C.INPUT_IDS] = [torch.as_tensor(s["input_ids"], dtype=torch.int32) for s in samples]

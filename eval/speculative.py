@@ -22,15 +22,27 @@ The output must equal target-only greedy decoding token for token (checked and r
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
+from eagle3 import contract as C
+from eagle3.contract import ContractError
+# the dump's reader: .jsonl/.json/.parquet, errors by line
+from eagle3.conversations.formats import DataError, _iter_records, normalize_record
 from eagle3.eval import chain_length as CL  # --draft-steps auto
+from eagle3.model import Eagle3Drafter
+from eagle3.model.checkpoint import capture_indices_of_export, export_drafter_config, load_export
+from eagle3.options import TRUST_REMOTE_CODE_HELP, opt
 from eagle3.target.capture import HiddenStateCapture
+from eagle3.target.load import (DTYPES, find_backbone, load_target, load_tokenizer, read_config, target_info,
+                                text_config_dict, tokenizer_info)
+from eagle3.target.prepack import prepack_linears
 from eagle3.train.acceptance import ChainStats  # one round bookkeeping for eval and training's replay
 
 
@@ -38,8 +50,6 @@ def load_drafter_from_export(export_dir: str, target_embedding: torch.Tensor, dt
                              device: torch.device, allow_foreign: bool = False, export=None):
     """An Eagle3Drafter built from the export alone (plus the target's embedding, which SGLang shares).
     `export`: load_export's result when the caller has it already (read and verified once)."""
-    from eagle3.model.checkpoint import export_drafter_config, load_export
-    from eagle3.model import Eagle3Drafter
     config, tensors, prov = export or load_export(export_dir, allow_foreign=allow_foreign)
     drafter = Eagle3Drafter(export_drafter_config(config, prov, export_dir))
     missing, unexpected = drafter.load_state_dict(tensors, strict=False)
@@ -60,7 +70,7 @@ class SpeculativeDecoder:
         from transformers import DynamicCache
         cache = cache if cache is not None else DynamicCache(config=self.target.config)
         out = self.target(input_ids=ids, cache=cache, use_cache=True)
-        aux = torch.cat([cap.states[k] for k in self.indices], dim=-1)
+        aux = torch.cat([cap.states[C.hidden_state_key(k)] for k in self.indices], dim=-1)
         return out.logits[0].argmax(-1), aux, cache
 
     @torch.no_grad()
@@ -136,7 +146,6 @@ def _first_user_turn(record, origin: str) -> str | None:
     """The prompt of one record: MT-bench's {"turns": [question, follow-up, ...]} gives its first question (the
     follow-ups need the target's own first answer in the history, which a one-turn prompt has not); a
     conversation (ShareGPT / messages) its first non-empty user turn. None: no usable turn."""
-    from eagle3.dump.conversations import DataError, normalize_record
     if isinstance(record, dict) and record.get("turns") is not None and record.get("messages") is None \
             and record.get("conversations") is None:
         turns = record["turns"]
@@ -152,7 +161,6 @@ def read_prompts(path: str, tokenizer, num_prompts: int | None,
     """One prompt per record (see _first_user_turn), rendered with the chat template and a generation prompt. A
     prompt over max_tokens (what the target's positions leave after the answer and the draft) is refused by name:
     the target would run past the positions it knows, for minutes at a 1M-token prompt."""
-    from eagle3.dump.conversations import _iter_records  # the dump's reader: .jsonl/.json/.parquet, errors by line
     prompts = []
     for origin, record in _iter_records(path):
         text = _first_user_turn(record, origin)
@@ -163,7 +171,6 @@ def read_prompts(path: str, tokenizer, num_prompts: int | None,
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         if max_tokens is not None and len(ids) > max_tokens:
-            from eagle3.dump.conversations import DataError
             raise DataError(f"{origin}: a prompt of {len(ids):,} tokens; the target's max_position_embeddings leave "
                             f"{max_tokens:,} for a prompt with --max-new-tokens and the draft chain: shorten it or "
                             "leave it out")
@@ -192,10 +199,57 @@ def plot_acceptance(report: dict, path: str) -> None:
     plt.close(fig)
 
 
-def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: int | str = 5, max_new_tokens: int = 128,
-             num_prompts: int | None = 20, out: str | None = None, dtype: str = "fp32", device: str | None = None,
-             progress: bool = True, allow_foreign_export: bool = False, trust_remote_code: bool = False,
-             prepack: bool = True) -> dict:
+def draft_steps_arg(text: str) -> int | str:
+    """--draft-steps: a positive chain length, or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"--draft-steps {text!r}: a positive chain length or 'auto'")
+    return k
+
+
+@dataclass
+class EvalConfig:
+    """`eagle3 eval`'s flags: evaluate()'s arguments, whose defaults are these."""
+    target_dir: str = opt(help="target model directory, or 'example'", flag="target")
+    export_dir: str = opt(help="export directory (from export-sglang)", flag="drafter")
+    prompts_file: str = opt(help="conversations (ShareGPT / messages: the first user turn of each is a prompt) or "
+                                 "MT-bench questions ({\"turns\": [...]}: the first turn of each is a prompt); "
+                                 ".jsonl/.json/.parquet", flag="prompts")
+    draft_steps: int | str = opt(5, "draft chain length: tokens proposed per round, or 'auto': the length with the "
+                                    "best predicted speedup, from the held-out replay at every length that the "
+                                    "export's provenance records (eagle3 train's checkpoints/best) and the costs of a "
+                                    "target verify forward, a draft step and the rest of a round measured here first; "
+                                    "eval.json then holds every length's prediction and the predicted speedup beside "
+                                    "the measured one", type=draft_steps_arg)
+    max_new_tokens: int = opt(128, "tokens decoded per prompt")
+    num_prompts: int | None = opt(20, "prompts decoded (the first ones of --prompts)")
+    out: str | None = opt(None, "write eval.json and acceptance.png here")
+    dtype: str = opt("fp32", "target and drafter dtype, on a GPU too: fp32 makes the lossless check exact (bf16 "
+                             "verification can flip near-ties against bf16 one-token decoding)",
+                     choices=["fp32", "bf16", "fp16"])
+    device: str | None = opt(None, "cpu | cuda (default: cuda if available)")
+    allow_foreign_export: bool = opt(False, "evaluate a drafter from elsewhere: an export without "
+                                            "eagle3_provenance.json (its ids are read as the latest known SGLang "
+                                            "release reads them for this target) or one whose ids disagree with its "
+                                            "provenance (a warning instead of a refusal). Shapes, and the sha256 a "
+                                            "provenance records, are checked regardless")
+    trust_remote_code: bool = opt(False, TRUST_REMOTE_CODE_HELP)
+    prepack: bool = opt(True, "on a CPU, keep PyTorch's plain Linear instead of oneDNN prepacked weights (which make "
+                              "a (K+1)-token verify forward cost close to a 1-token one; the baseline uses them "
+                              "too)")  # the help of its switch, --no-prepack
+    progress: bool = True  # no flag
+
+
+def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: int | str = EvalConfig.draft_steps,
+             max_new_tokens: int = EvalConfig.max_new_tokens, num_prompts: int | None = EvalConfig.num_prompts,
+             out: str | None = EvalConfig.out, dtype: str = EvalConfig.dtype, device: str | None = EvalConfig.device,
+             progress: bool = EvalConfig.progress, allow_foreign_export: bool = EvalConfig.allow_foreign_export,
+             trust_remote_code: bool = EvalConfig.trust_remote_code, prepack: bool = EvalConfig.prepack) -> dict:
     """`prepack`: on a CPU in fp32, run every Linear of the target and the drafter through oneDNN prepacked
     weights (target/prepack.py says why; both the baseline and speculative decoding use them).
     `allow_foreign_export`: evaluate a drafter from elsewhere -- an export without provenance (served as the
@@ -204,9 +258,6 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     `draft_steps` "auto": the chain length with the best predicted speedup on this machine, from the held-out replay
     the export records at every length and the costs measured here first (eval/chain_length.py); the report holds
     every length's prediction and, beside the measured speedup, the predicted one."""
-    from eagle3.contract import ContractError
-    from eagle3.target.load import DTYPES, find_backbone, load_target, load_tokenizer, target_info
-    from eagle3.model.checkpoint import capture_indices_of_export, load_export
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tdtype = DTYPES[dtype]
     # Verified (sha256, ids vs provenance, shapes) before the target is loaded: a bad export fails fast.
@@ -223,18 +274,17 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
                                         allow_foreign=allow_foreign_export)
     tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code)
     if prov is not None and not allow_foreign_export:  # the drafter was trained for this target, weights included
-        from eagle3.contract import require_same_capture
-        from eagle3.target.load import target_identity, tokenizer_info
-        mine = target_identity(info, tokenizer_info(tokenizer))
+        mine = C.target_identity(info, tokenizer_info(tokenizer))
+        # an export made before provenance recorded the identity: its target's config and weights
         theirs = {k: prov.identity.get(k) for k in mine} if prov.identity else \
-            {"target.config_sha256": prov.target.config_sha256, "target.weights_sha256": prov.target.weights_sha256}
-        require_same_capture(theirs, {k: mine[k] for k in theirs}, f"the export {export_dir} (trained for)",
+            {k: v for k, v in C.target_identity(prov.target).items() if k in ("target.config_sha256",
+                                                                          "target.weights_sha256")}
+        C.require_same_capture(theirs, {k: mine[k] for k in theirs}, f"the export {export_dir} (trained for)",
                              f"--target {target_dir}")
     drafter_for = export[0]["target_hidden_size"]
     if drafter_for != info.hidden_size:  # fc would not fit the captured states
         raise ContractError(f"{export_dir}/config.json: target_hidden_size {drafter_for}, but the target "
                             f"{target_dir} has hidden_size {info.hidden_size}")
-    from eagle3.target.load import read_config, text_config_dict
     max_pos = text_config_dict(read_config(target_dir)).get("max_position_embeddings")
     prompts = read_prompts(prompts_file, tokenizer, num_prompts,  # before the target loads: bad input fails fast
                            max_pos - max_new_tokens - draft_steps - 1 if isinstance(max_pos, int) else None)
@@ -243,7 +293,6 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     drafter = load_drafter_from_export(export_dir, target.get_input_embeddings().weight, tdtype, dev, export=export)
     packed = 0
     if prepack and dev.type == "cpu" and tdtype == torch.float32:
-        from eagle3.target.prepack import prepack_linears
         packed = prepack_linears(target, rows_hint=draft_steps + 1) + prepack_linears(drafter, rows_hint=1)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     gen_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)

@@ -32,10 +32,11 @@ import torch
 from eagle3 import contract as C
 from eagle3 import serving as S
 from eagle3.atomic import replaced_dir
+from eagle3.model import DrafterConfig, architecture, tensor_shapes
 from eagle3.model.checkpoint import EXPORT_DTYPE, check_tensors, draft_config, load_export
 from eagle3.records import (CKPT_FILE, DRAFTER_WEIGHTS_FILE, EXPORT_CONFIG_FILE as CONFIG_FILE, EXPORT_FILES,
-                            EXPORT_FORMAT, EXPORT_WEIGHTS_FILE as WEIGHTS_FILE, PROVENANCE_FILE, RUN_FILE, VOCAB_FILE,
-                            CheckpointRecord, ExportProvenance, RunRecord, check_files, find_checkpoint)
+                            EXPORT_FORMAT, EXPORT_WEIGHTS_FILE as WEIGHTS_FILE, MEANING_KEY, PROVENANCE_FILE, RUN_FILE,
+                            VOCAB_FILE, CheckpointRecord, ExportProvenance, RunRecord, check_files, find_checkpoint)
 
 ENGINES = ("sglang", "vllm")
 
@@ -50,7 +51,6 @@ class ExportError(ValueError):
 def _load_run(run_dir: str, step: int | None):
     """(run record, checkpoint record, checkpoint dir, step, DrafterConfig, capture, TargetInfo, weights)."""
     from safetensors.torch import load_file
-    from eagle3.model import DrafterConfig, architecture, tensor_shapes
 
     run = RunRecord.read(os.path.join(run_dir, RUN_FILE))
     ckpt_dir, step = find_checkpoint(run_dir, step)
@@ -82,7 +82,6 @@ def _load_run(run_dir: str, step: int | None):
                               f"!= target hidden_size/vocab_size {target.hidden_size}/{target.vocab_size}")
     check_files(ckpt_dir, rec, [DRAFTER_WEIGHTS_FILE])  # the bytes the trainer wrote: a flipped bit is refused here
     from safetensors import safe_open
-    from eagle3.records import MEANING_KEY
     with safe_open(os.path.join(ckpt_dir, DRAFTER_WEIGHTS_FILE), "pt") as f:
         meaning = (f.metadata() or {}).get(MEANING_KEY)
     if meaning is not None and meaning != rec.meaning_sha256():  # (checkpoints saved before it carry none)
@@ -149,7 +148,6 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
     provenance written to out_dir/eagle3_provenance.json. Refused when the engine release targeted would not serve
     the drafter's architecture or one of its options (eagle3.serving.check_drafter_served)."""
     from safetensors.torch import save_file
-    from eagle3.model import architecture, tensor_shapes
 
     if engine not in ENGINES:
         raise ExportError(f"engine must be one of {ENGINES}, got {engine!r}")

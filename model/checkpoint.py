@@ -18,9 +18,11 @@ import torch
 
 from eagle3 import contract as C
 from eagle3 import serving as S
-from eagle3.model.drafter import LAYOUT_MODULES
+from eagle3.model.config import OPTIONS, DrafterConfig
+from eagle3.model.drafter import LAYOUT_MODULES, architecture, tensor_shapes
 from eagle3.records import (EXPORT_CONFIG_FILE as CONFIG_FILE, EXPORT_WEIGHTS_FILE as WEIGHTS_FILE, PROVENANCE_FILE,
                             ExportProvenance)
+from eagle3.vocab_map import vocab_map_problem
 
 # SGLang class -> DrafterConfig.layout
 ARCHITECTURES = {m.ARCHITECTURE: layout for layout, m in LAYOUT_MODULES.items()}
@@ -56,7 +58,6 @@ def check_tensors(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int,
     d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
     if (d2t is not None and t2d is not None and d2t.dtype == torch.int64 and t2d.dtype == torch.bool
             and d2t.dim() == 1 and t2d.dim() == 1):  # wrong dtypes or ranks are reported above already
-        from eagle3.data.vocab import vocab_map_problem
         problem = vocab_map_problem(d2t, t2d)
         if problem:
             problems.append(problem)
@@ -69,7 +70,6 @@ def draft_config(dcfg, ids: list[int]) -> dict:
     """config.json of the exported drafter: every key SGLang (and vLLM) read for its layout, explicit, and the
     EAGLE-3.1 switches where each engine reads them (docs/drafters.md): fc_norm / norm_output at the top level,
     norm_before_fc in eagle_config (SGLang reads it there first) and at the top level (vLLM < 0.22 reads only that)."""
-    from eagle3.model import architecture
     common = {
         "architectures": [architecture(dcfg)],
         "num_hidden_layers": 1,
@@ -206,7 +206,6 @@ def export_drafter_config(config: dict, prov: ExportProvenance | None, where: st
     config.json lacks a field, holds one the drafter cannot take, or asks for what no SGLang release does (an MLA
     drafter's norm_before_fc: served without it, it is another function than the one trained)."""
     from dataclasses import fields
-    from eagle3.model import OPTIONS, DrafterConfig
     arch = config.get("architectures")
     layout = ARCHITECTURES.get(arch[0]) if isinstance(arch, list) and len(arch) == 1 else None
     if layout is None or config.get("num_hidden_layers") != 1:
@@ -266,7 +265,6 @@ def load_export(export_dir: str,
     foreign_tensors maps its names and any floating dtype is taken) and turns disagreeing ids into a warning."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-    from eagle3.model import architecture, tensor_shapes
     config = C.read_json(os.path.join(export_dir, CONFIG_FILE))
     prov = _read_provenance(export_dir, allow_foreign)
     if prov is not None:
@@ -347,7 +345,6 @@ def inspect_export(export_dir: str, verify: bool = True) -> dict:
         report["verified"] = f"FAILED: {e}"
         return report
     import math
-    from eagle3.model import architecture, tensor_shapes
     n_params = sum(math.prod(s) for k, s in tensor_shapes(dcfg).items() if k not in ("d2t", "t2d"))
     report.update(architecture=architecture(dcfg), layout=dcfg.layout, options=dcfg.options,
                   drafter=dcfg.to_dict(), parameters=n_params,

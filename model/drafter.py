@@ -28,10 +28,13 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from eagle3.model import llama, mla
+import eagle3.model.llama as llama
+import eagle3.model.mla as mla
 from eagle3.model.config import DrafterConfig
+from eagle3.model.kernels import causal_plus_diagonal, flash_supported, lean_norm, rms_norm, silu_mul
 from eagle3.model.layers import (MLP_CHUNK_TOKENS, Eagle3MLP, RMSNorm, attention_causal_plus_diagonal,
                                  cached_attention, checkpointing_mode, module_norm, repeat_kv)
+from eagle3.vocab_map import vocab_map_problem
 
 LAYOUT_MODULES = {"llama": llama, "mla": mla}  # each: ARCHITECTURE, ATTENTION, attention_shapes
 
@@ -120,7 +123,6 @@ class Eagle3Drafter(nn.Module):
         if d2t.shape != (c.draft_vocab_size,) or t2d.shape != (c.vocab_size,):
             raise ValueError(f"vocab map shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)}; expected "
                              f"({c.draft_vocab_size},), ({c.vocab_size},)")
-        from eagle3.data.vocab import vocab_map_problem
         problem = vocab_map_problem(d2t, t2d)
         if problem:
             raise ValueError(problem)
@@ -245,7 +247,6 @@ class Eagle3Drafter(nn.Module):
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         attn = self.midlayer.self_attn
         if fast:
-            from eagle3.model.kernels import flash_supported
             # fp32 training or an odd head width on a GPU: the plain path (same function) instead of a kernel error
             fast = flash_supported(input_ids.device, self.dtype, max(attn.qk_dim, attn.v_dim))
         if fast:
@@ -281,7 +282,6 @@ class Eagle3Drafter(nn.Module):
         return checkpointing_mode(self.activation_checkpointing)
 
     def _ttt_fast(self, hidden_state, input_ids, position_ids, steps: int, prefix_kv=None) -> list[torch.Tensor]:
-        from eagle3.model.kernels import causal_plus_diagonal, lean_norm, rms_norm, silu_mul
         c, ml = self.config, self.midlayer
         attn = ml.self_attn
         B, T = input_ids.shape

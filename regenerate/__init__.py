@@ -8,9 +8,9 @@ by the target (as SpecForge's scripts/regenerate_train_data.py does) before the 
 * ``--engine hf --target DIR``: the target through transformers, batched ``model.generate`` with a KV cache and
   left padding; data parallel under ``torchrun --nproc-per-node N -m eagle3.regenerate ...``.
 
-The stage runs before the dump and uses nothing of it but dump/conversations.py (the data formats, their hashes,
-the end-of-turn tokens) and dump/shards.py's atomic write; the dump learns where its data came from through
-eagle3.records (`data_sources`), never through this package. Its modules, in the order data flows:
+The stage runs before the dump: it reads its data with eagle3.conversations (the data formats, their hashes, the
+end-of-turn tokens) and uses nothing of the dump but dump/shards.py's atomic write; the dump learns where its data
+came from through eagle3.records (`data_sources`), never through this package. Its modules, in the order data flows:
 
 * config.py: RegenConfig, the options of a run, and their checks;
 * items.py: the conversations to regenerate (which turns, which are skipped) and the answers that replace them;

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.utils import logging as hf_logging
 
-from eagle3.dump.conversations import end_of_turn_ids
+from eagle3.conversations.masking import end_of_turn_ids
 from eagle3.regenerate.config import BATCHING, KV_CACHES, RegenConfig
 from eagle3.regenerate.files import CONVERSATIONS, ERRORS, Appender, rank_file
 from eagle3.regenerate.items import Item, Progress, answer_message, derive_seed, template_kwargs

@@ -1,6 +1,6 @@
 """The conversations to regenerate and the answers that replace their assistant turns.
 
-Conversations are read with eagle3.dump.conversations.read_conversations, so the dump's formats and errors apply:
+Conversations are read with eagle3.conversations.formats.read_conversations, so the dump's formats and errors apply:
 system turns are kept, every assistant turn is rewritten in order, and each answer is generated from the history
 the target wrote itself (earlier assistant turns replaced by its own answers). Turns after the last assistant turn
 are dropped, so exactly as many assistant turns are generated as the original had. Conversations that hold no
@@ -13,7 +13,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from eagle3 import contract as C
-from eagle3.dump.conversations import read_conversations
+from eagle3.conversations.formats import read_conversations
 
 
 @dataclass

@@ -10,7 +10,7 @@ import os
 import time
 
 from eagle3 import dist as D
-from eagle3.dump.conversations import check_distinct_data, data_sha256
+from eagle3.conversations.formats import check_distinct_data, data_sha256
 from eagle3.atomic import atomic_write_text
 from eagle3.records import REGENERATE_FILE, identity_of
 from eagle3.regenerate.config import RegenConfig, validate

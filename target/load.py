@@ -18,6 +18,7 @@ from torch import nn
 
 from eagle3.contract import TargetInfo, TokenizerInfo, config_hash, method_of, sha256_bytes
 from eagle3.target import int4_experts as I
+from eagle3.target.fingerprint import FULL, hub_revision, weights_fingerprint
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
@@ -81,7 +82,6 @@ def target_info(target_dir: str, full_weights: bool = False, like: str | None = 
     """The target's identity: its config, and its weights' digest (target/fingerprint.py; sampled unless
     full_weights, or taken by the method of `like`, a recorded weights_sha256 it is to be compared with; left ''
     with weights=False, for a --server run's config-only copy)."""
-    from eagle3.target.fingerprint import FULL, hub_revision, weights_fingerprint
     cfg = read_config(target_dir)
     text = text_config_dict(cfg)
     if like:
@@ -100,17 +100,6 @@ def target_info(target_dir: str, full_weights: bool = False, like: str | None = 
     except FileNotFoundError as e:
         raise TargetError(str(e)) from None
     return TargetInfo(**info, weights_sha256=digest, revision=hub_revision(target_dir))
-
-
-def target_identity(info: TargetInfo, tok: TokenizerInfo | None = None) -> dict:
-    """The target's part of DumpManifest.identity() (the keys a manifest, run or export records), for a target
-    directory at hand: what stages compare with what they were made from."""
-    ident = {"target.config_sha256": info.config_sha256, "target.weights_sha256": info.weights_sha256,
-             "target.architecture": info.architecture, "target.hidden_size": info.hidden_size,
-             "target.vocab_size": info.vocab_size}
-    if tok is not None:
-        ident.update({"tokenizer.sha256": tok.sha256, "tokenizer.chat_template_sha256": tok.chat_template_sha256})
-    return ident
 
 
 def tokenizer_info(tokenizer, remote_code: str | None = None) -> TokenizerInfo:
@@ -167,7 +156,7 @@ def load_tokenizer(target_dir: str, trust_remote_code: bool = False):
         raise TargetError(f"{target_dir}: the tokenizer has no chat template; the dump renders conversations with it "
                           "(add `chat_template` to tokenizer_config.json or a chat_template.jinja file)")
     # A slow tokenizer (no offsets; Kimi-K2.5's custom TikTokenTokenizer is one) is fine: the loss mask has an
-    # offset-free path for it (dump/conversations.py, module docstring step 4).
+    # offset-free path for it (conversations/masking.py, module docstring step 4).
     return tok
 
 

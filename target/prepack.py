@@ -21,6 +21,7 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
+from eagle3.cpu import best_seconds
 
 
 def prepack_available() -> bool:
@@ -48,7 +49,6 @@ def _plain_is_faster(w: torch.Tensor, packed: torch.Tensor, rows: int, reps: int
     and six ran faster packed on the large weights only (the head: 6.9 vs 3.7 ms at four): a 2-token verify of a
     chain of 1 cost 1.46x a 1-token forward with every multi-row call packed. Both paths are fp32 GEMMs of the same
     weight. Best of `reps` calls each."""
-    from eagle3.cpu import best_seconds
     x = torch.randn(rows, w.shape[1])
     with torch.no_grad():
         return best_seconds(lambda: F.linear(x, w), reps) < best_seconds(lambda: _packed_matmul(x, packed, None), reps)

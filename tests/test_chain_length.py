@@ -62,7 +62,7 @@ def test_replay_by_steps_refuses_an_export_without_it():
 
 def test_cli_draft_steps_argument():
     import argparse
-    from eagle3.cli.main import _draft_steps_arg
+    from eagle3.eval.speculative import draft_steps_arg as _draft_steps_arg
     assert _draft_steps_arg("auto") == "auto" and _draft_steps_arg("3") == 3
     for bad in ("0", "-1", "three"):
         with pytest.raises(argparse.ArgumentTypeError, match="positive chain length or 'auto'"):

@@ -1,4 +1,4 @@
-"""eagle3.dump.conversations: reading conversation files, rendering with real chat templates, loss masks."""
+"""eagle3.conversations: reading conversation files, rendering with real chat templates, loss masks."""
 
 import collections
 import json
@@ -6,9 +6,10 @@ import os
 
 import pytest
 
-from eagle3.dump import conversations as C
+from eagle3.conversations import masking as C
+from eagle3.conversations.formats import DataError, read_conversations
+from eagle3.conversations.masking import SkipSample, load_samples, render_and_mask
 from eagle3.dump import example as E
-from eagle3.dump.conversations import DataError, SkipSample, load_samples, read_conversations, render_and_mask
 from eagle3.dump.example import example_sharegpt_jsonl
 from tiny_tokenizers import TEMPLATES, VOCAB_LIMIT, make_slow_tokenizer, make_tokenizer
 
@@ -481,6 +482,7 @@ def test_datasets_directories(tmp_path, chatml):
     """save_to_disk output (a Dataset, a DatasetDict) and a directory load_dataset reads give the same samples
     as the JSON lines file, with origins naming the directory and record."""
     from datasets import Dataset, DatasetDict
+    from eagle3.conversations import formats as C  # data_sha256 below
     # one schema per dataset (Dataset.from_list takes its columns from the first record)
     records = [OPENAI, {"messages": CONV[1:3]}, {"messages": []}, OPENAI]
     ref_path = write_jsonl(tmp_path / "ref.jsonl", records)

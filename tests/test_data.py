@@ -13,10 +13,11 @@ import torch
 
 from eagle3 import contract as C
 from eagle3.data import standardize_data_v1
-from eagle3.data.dumps import DumpSet, collate, split
+from eagle3.data.batch import collate
+from eagle3.data.dumps import DumpSet, split
 from eagle3.data.loader import BatchPlan, length_grouped_batches, make_loader
-from eagle3.data.vocab import (build_vocab, count_tokens, draft_ids, load_vocab, save_vocab, select_draft_vocab,
-                               vocab_map)
+from eagle3.data.vocab import build_vocab, count_tokens, load_vocab, save_vocab, select_draft_vocab
+from eagle3.vocab_map import draft_ids, vocab_map
 
 from tiny import reference_hidden_states
 
@@ -33,7 +34,7 @@ def test_standardize_equals_output_hidden_states(tiny_dump, tiny_targets):
         torch.testing.assert_close(s["hidden_state"][:, :H], hs[1][0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(s["hidden_state"][:, H:2 * H], hs[3][0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(s["hidden_state"][:, 2 * H:], hs[4][0], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(s["target_hidden"], hs[-1][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s["final_hidden"], hs[-1][0], atol=1e-5, rtol=1e-5)
 
 
 def _manifest(indices, H=4):
@@ -80,7 +81,7 @@ def test_standardize_of_fp8_left_quantized_refuses_nan_and_bad_scales(nan_byte):
             s[C.scale_key(k)] = torch.full((3,), 0.5)
         return s
     out = standardize_data_v1(fp8_sample(), _manifest([2, 5]), source="x", concat=False)
-    assert len(out["hidden_scales"]) == 2 and out["target_scale"].shape == (3,)
+    assert len(out["hidden_state.scale"]) == 2 and out["final_hidden.scale"].shape == (3,)
     s = fp8_sample()
     s[C.hidden_state_key(5)].view(torch.uint8)[2, 1] = nan_byte
     with pytest.raises(C.ContractError, match="x: hidden_states.5 contains NaN"):
@@ -248,10 +249,10 @@ def test_loader_with_workers_reads_what_the_dumpset_holds(tiny_dump):
     assert len(got) == 4
     for batch, b in zip(batches, got):
         want = collate([ds.standardized(refs[i]) for i in batch])
-        assert want.keys() == b.keys()
-        for k in want:
-            assert torch.equal(want[k], b[k]), k
-        assert b["attention_mask"].sum() == sum(refs[i].length for i in batch)
+        assert want.tensors().keys() == b.tensors().keys()
+        for k, v in want.tensors().items():
+            assert torch.equal(v, b.tensors()[k]), k
+        assert b.attention_mask.sum() == sum(refs[i].length for i in batch)
 
 
 def test_vocab_matches_brute_force(tiny_dump):

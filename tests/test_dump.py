@@ -193,7 +193,7 @@ def _swap_words(text):
 
 def test_resume_refuses_data_edited_in_place(tiny_targets, convs, tmp_path):
     """An edit that keeps every token length (so the shard plan is the same) is still other data."""
-    from eagle3.dump.conversations import load_samples
+    from eagle3.conversations.masking import load_samples
     from eagle3.target.load import load_tokenizer
     llama, out, data = tiny_targets["llama"], tmp_path / "d", tmp_path / "c.jsonl"
     data.write_text(open(convs).read())
@@ -280,7 +280,7 @@ def test_unwritable_out(tiny_targets, convs, tmp_path):
 
 
 def test_malformed_line_names_file_and_line(tiny_targets, tmp_path):
-    from eagle3.dump.conversations import DataError
+    from eagle3.conversations.formats import DataError
     data = write_conversations(tmp_path / "bad.jsonl", n=3, extra_lines=['{"conversations": ['])
     with pytest.raises(DataError, match=r"bad\.jsonl:4"):
         dump(tiny_targets["llama"], data, tmp_path / "d")
@@ -355,7 +355,7 @@ def test_cli_dump_reads_datasets_dirs_and_hub_ids_from_the_local_cache(tiny_targ
     cache: the dump holds the same samples as one of the JSON lines file and the target directory."""
     import shutil
     from datasets import Dataset
-    from eagle3.dump.conversations import load_samples
+    from eagle3.conversations.masking import load_samples
     from eagle3.target.load import load_tokenizer
     hub = tmp_path / "hub"
     model_dir = _hub_cache_entry(hub, "model", "tiny-org/tiny-llama")
@@ -402,12 +402,13 @@ def test_preset_mismatch_is_refused(tiny_targets, convs, tmp_path):
 
 
 def test_without_argmax_the_shards_have_no_argmax_and_batches_none(tiny_targets, convs, tmp_path):
-    from eagle3.data.dumps import DumpSet, collate
+    from eagle3.data.batch import collate
+    from eagle3.data.dumps import DumpSet
     dump(tiny_targets["llama"], convs, tmp_path / "d", record_argmax=False, num_samples=4)
     samples, m = read_dump(tmp_path / "d")
     assert all(C.TARGET_ARGMAX not in s for s in samples.values())
     ds = DumpSet(str(tmp_path / "d"))
-    assert "target_argmax" not in collate([ds.standardized(r) for r in ds.refs])
+    assert collate([ds.standardized(r) for r in ds.refs]).target_argmax is None
 
 
 def test_shard_writer_bytes_are_deterministic_and_hashed_while_written(tmp_path):

@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+from eagle3 import contract as C
 from eagle3.contract import ContractError
 from eagle3.eval.speculative import evaluate
 from eagle3.train.acceptance import ChainStats
@@ -141,7 +142,7 @@ def test_held_out_walk_replays_speculative_decoding_exactly(word_target, distill
         ids = torch.tensor([prompt + ref])
         with torch.no_grad(), HiddenStateCapture(backbone, indices) as cap:
             logits = target(input_ids=ids).logits
-            aux = torch.cat([cap.states[k] for k in indices], dim=-1)
+            aux = torch.cat([cap.states[C.hidden_state_key(k)] for k in indices], dim=-1)
             hits = draft_hits(drafter, drafter.ttt_forward(aux, ids, steps=K), logits.argmax(-1))
         loss_mask = torch.zeros_like(ids)
         loss_mask[0, len(prompt):] = 1
@@ -209,7 +210,7 @@ def _jsonl(path, records):
 
 
 def test_mt_bench_prompts_are_the_first_turns(word_target, tmp_path):
-    from eagle3.dump.conversations import DataError
+    from eagle3.conversations.formats import DataError
     from eagle3.target.load import load_tokenizer
     from eagle3.eval.speculative import read_prompts
     tok = load_tokenizer(word_target)

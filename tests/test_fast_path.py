@@ -278,7 +278,7 @@ def test_cuda_fast_path_matches_float64_reference(cuda_kernel, T, kv_heads):
 
 def test_train_step_uses_the_fast_path_below_zero3_and_refuses_step_checkpointing_without_it():
     from eagle3.train.config import TrainConfig
-    from eagle3.train.trainer import DrafterTrainStep
+    from eagle3.train.step import DrafterTrainStep
     d = make_loss_drafter()
     head = torch.randn(d.config.vocab_size, d.config.target_hidden_size, dtype=torch.float64)
     fast = DrafterTrainStep(d, head, TrainConfig(zero_stage=2))

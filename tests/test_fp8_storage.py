@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3 import contract as C
-from eagle3.data.dumps import DumpSet, dequantize_batch
+from eagle3.data.dumps import DumpSet
 from eagle3.data.loader import BatchPlan, make_loader
 from eagle3.dump.job import DumpConfig, run_dump
 from eagle3.dump.shards import dequantize_fp8, quantize_fp8, read_shard_metadata, shard_name
@@ -78,8 +78,8 @@ def test_reader_dequantizes_within_the_e4m3_bound(fp8_dump, tiny_dump):
     for r in ds.refs:
         got, want = ds.standardized(r), ref_ds.standardized(ref_at[r.sample_index])
         assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["loss_mask"], want["loss_mask"])
-        H = want["target_hidden"].shape[-1]
-        pairs = [(got["target_hidden"], want["target_hidden"])] + [
+        H = want["final_hidden"].shape[-1]
+        pairs = [(got["final_hidden"], want["final_hidden"])] + [
             (got["hidden_state"][:, c:c + H], want["hidden_state"][:, c:c + H]) for c in range(0, 3 * H, H)]
         for g, w in pairs:
             assert g.dtype == torch.float32  # the dump's --dtype: what a trainer gets from an fp32 dump too
@@ -122,7 +122,7 @@ def test_zero_and_non_finite_rows():
 @pytest.mark.parametrize("workers", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_left_in_the_batch_dequantizes_to_the_readers_batch(fp8_dump, workers, dtype):
-    """fp8_in_batch: the loader ships q and the scales (a quarter of the bytes), dequantize_batch does the
+    """fp8_in_batch: the loader ships q and the scales (a quarter of the bytes), Batch.dequantized does the
     reader's multiply where the batch is used; the batches must equal the reader-dequantized ones exactly,
     padding included, in the main process and through a worker's shared memory."""
     plain, late = DumpSet(fp8_dump, verify=False, dtype=dtype), DumpSet(fp8_dump, verify=False, fp8_in_batch=True)
@@ -130,12 +130,12 @@ def test_fp8_left_in_the_batch_dequantizes_to_the_readers_batch(fp8_dump, worker
     n = len(plan.epoch(0))
     got = list(make_loader(late, late.refs, plan, num_steps=n, num_workers=workers))
     want = list(make_loader(plain, plain.refs, plan, num_steps=n, num_workers=workers))
-    assert len(got) == len(want) == n and any(int(b["attention_mask"].eq(0).sum()) for b in want)  # some padding
+    assert len(got) == len(want) == n and any(int(b.attention_mask.eq(0).sum()) for b in want)  # some padding
     for g, w in zip(got, want):
-        assert g["hidden_state"].dtype == g["target_hidden"].dtype == torch.float8_e4m3fn
-        d = dequantize_batch(g, dtype)
+        assert g.hidden_state.dtype == g.final_hidden.dtype == torch.float8_e4m3fn
+        d, w = g.dequantized(dtype).tensors(), w.tensors()
         assert set(d) == set(w) and all(torch.equal(d[k], w[k]) for k in w), [k for k in w if not torch.equal(d[k], w[k])]
-    assert dequantize_batch(want[0], dtype) is want[0]  # a dequantized (or bf16-stored) batch passes through
+    assert want[0].dequantized(dtype) is want[0]  # a dequantized (or bf16-stored) batch passes through
 
 
 def test_table_dequantize_equals_torchs_conversion():

@@ -177,6 +177,6 @@ def test_legacy_records_without_weights_are_named(tiny_dump, tiny_targets):
     m = C.load_manifest(tiny_dump)
     legacy = C.DumpManifest.from_dict(json.loads(json.dumps(m.to_dict())))
     legacy.target.weights_sha256 = ""
-    from eagle3.train.trainer import check_target_matches_dumps
+    from eagle3.train.setup import check_target_matches_dumps
     with pytest.raises(C.ContractError, match="written before eagle3 made a target's weights part"):
         check_target_matches_dumps(tiny_targets["llama"], legacy)

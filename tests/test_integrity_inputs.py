@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from eagle3 import contract as C
-from eagle3.dump.conversations import DataError
+from eagle3.conversations.formats import DataError
 
 
 def _parquet(path, texts):
@@ -22,7 +22,7 @@ def _parquet(path, texts):
 def test_a_replaced_file_of_the_same_name_and_mtime_is_read_anew(tmp_path, monkeypatch):
     """`datasets` keyed its cache on path, size and mtime: `cp -p` of another file of the same size served the old
     records while the manifest recorded the new file's sha256."""
-    from eagle3.dump.conversations import read_conversations
+    from eagle3.conversations.formats import read_conversations
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     import datasets
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))

@@ -65,9 +65,9 @@ def assert_equal_reference(states, reference, batch, atol=1e-5):
     hs, logits = reference
     real = batch[1].bool()  # padded positions are not compared (nor dumped)
     for k in INDICES:
-        torch.testing.assert_close(states[k][real], hs[k][real], atol=atol, rtol=atol)
-    torch.testing.assert_close(states["final"][real], hs[-1][real], atol=atol, rtol=atol)
-    assert torch.equal(states["argmax"][real].long(), logits.argmax(-1)[real])
+        torch.testing.assert_close(states[C.hidden_state_key(k)][real], hs[k][real], atol=atol, rtol=atol)
+    torch.testing.assert_close(states[C.FINAL_HIDDEN][real], hs[-1][real], atol=atol, rtol=atol)
+    assert torch.equal(states[C.TARGET_ARGMAX][real].long(), logits.argmax(-1)[real])
 
 
 def test_fixture_is_the_shipped_format(kimi):
@@ -132,7 +132,7 @@ def test_bf16_equals_transformers_own_dequantization(kimi, batch):
             assert torch.equal(gate_up, t.gate_up_proj[e]) and torch.equal(down, t.down_proj[e])
     a, b = capture(ours, batch), capture(theirs, batch)
     real = batch[1].bool()
-    for k in INDICES + ["final"]:
+    for k in [*map(C.hidden_state_key, INDICES), C.FINAL_HIDDEN]:
         torch.testing.assert_close(a[k][real].float(), b[k][real].float(), atol=0.1, rtol=0.05)
 
 
@@ -177,7 +177,7 @@ def test_a_wrong_dequantization_is_caught(packed_model, batch, reference, monkey
         assert_equal_reference(capture(packed_model, batch), reference, batch)
     hs = reference[0]
     states = capture(packed_model, batch)
-    assert (states[5] - hs[5]).abs().max() > 1e-2
+    assert (states[C.hidden_state_key(5)] - hs[5]).abs().max() > 1e-2
 
 
 def _without(src, dst, key):
@@ -369,7 +369,7 @@ def test_a_slow_tokenizer_shipped_as_code_dumps_like_the_fast_one(slow_remote_to
         torch.testing.assert_close(b[si][C.FINAL_HIDDEN], a[si][C.FINAL_HIDDEN], atol=0, rtol=0)
     assert load_manifest(str(tmp_path / "slow")).tokenizer.remote_code == code
     # training checks the target's tokenizer against the dumps': the same flag lets it run the shipped code
-    from eagle3.train.trainer import check_target_matches_dumps
+    from eagle3.train.setup import check_target_matches_dumps
     with pytest.raises(TargetError, match="--trust-remote-code"):
         check_target_matches_dumps(slow_remote_tokenizer_target, mb)
     check_target_matches_dumps(slow_remote_tokenizer_target, mb, trust_remote_code=True)

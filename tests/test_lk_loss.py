@@ -377,7 +377,7 @@ def test_loss_flags_parse_show_their_defaults_and_refuse_bad_values():
 
 def test_a_resume_refuses_another_loss_and_reads_a_record_without_one_as_kl():
     from eagle3.train.config import TrainConfig
-    from eagle3.train.trainer import resume_changes
+    from eagle3.train.checkpoint import resume_changes
 
     def old(**train):
         return types.SimpleNamespace(identity={}, data_sha256="d", world_size=1, train=train)
@@ -401,7 +401,7 @@ def test_train_step_passes_its_loss_to_the_loss_functions(fast):
     """DrafterTrainStep with --loss lk-hybrid computes exactly eagle3_loss(_fused) with that objective, and reports
     the alpha sums in its stats (ce_sum, correct, count, alpha_sum)."""
     from eagle3.train.config import TrainConfig
-    from eagle3.train.trainer import STATS, DrafterTrainStep
+    from eagle3.train.step import STATS, DrafterTrainStep
     d = make_drafter()
     g = torch.Generator().manual_seed(4)
     B, T = 2, 10

@@ -15,7 +15,7 @@ def test_no_bare_top_level_stage_modules(tmp_path):
     up in a fresh interpreter run outside the checkout (a `python -m pytest` puts the checkout itself on sys.path,
     where its folders are importable by their bare names whatever the install does), so the answer does not depend
     on what the clone's folder is called."""
-    names = ("dump", "data", "train", "export", "eval", "target", "cli", "core", "model", "regenerate")
+    names = ("dump", "data", "train", "export", "eval", "target", "cli", "core", "model", "regenerate", "conversations")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     code = ("import importlib.util, json, eagle3; "
             f"print(json.dumps({{n: (importlib.util.find_spec(n) or None) and importlib.util.find_spec(n).origin "

@@ -3,6 +3,7 @@ exported in our SGLang layout and decoded losslessly by `eagle3 eval`; and, at e
 outputs and loss against ours (same inputs and teacher; its loss mask two tokens behind ours; a 1/(B*T) mean).
 Skipped when specforge is not installed (CI does not install it: `pip install --no-deps specforge==0.2.0`)."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -137,10 +138,10 @@ def test_same_weights_same_outputs_and_the_loss_difference(our_run):
     plan = BatchPlan([r.length for r in train_refs], cfg["token_budget"], cfg["seed"], 0, 1)
     # a batch of the training plan with several samples and right padding
     batch = next(b for b in make_loader(dumps, train_refs, plan, 0, len(plan.epoch(0)), num_workers=0)
-                 if b["input_ids"].shape[0] > 1 and bool((b["attention_mask"] == 0).any()))
-    B, T = batch["input_ids"].shape
-    hs, ids, am = batch["hidden_state"].float(), batch["input_ids"].long(), batch["attention_mask"].long()
-    th, lm = batch["target_hidden"].float(), batch["loss_mask"].long()
+                 if b.input_ids.shape[0] > 1 and bool((b.attention_mask == 0).any()))
+    B, T = batch.input_ids.shape
+    hs, ids, am = batch.hidden_state.float(), batch.input_ids.long(), batch.attention_mask.long()
+    th, lm = batch.final_hidden.float(), batch.loss_mask.long()
     n = am.sum(1)
 
     with torch._dynamo.config.patch(disable=True), torch.no_grad():
@@ -172,7 +173,7 @@ def test_same_weights_same_outputs_and_the_loss_difference(our_run):
         lm2 = lm.clone()
         for b in range(B):
             lm2[b, max(0, n[b] - 2):] = 0
-        b2 = dict(batch, loss_mask=lm2.to(batch["loss_mask"].dtype))
+        b2 = dataclasses.replace(batch, loss_mask=lm2.to(batch.loss_mask.dtype))
         _, res2 = peer.step_outputs(model, peer.specforge_inputs(sf, b2, head, "cpu", torch.float32))
         _, met = eagle3_loss(ours, our_outs, th, head, ids, _shift_right(lm2, 2), am, decay=0.8)
         sf_sum = torch.stack([p.double() for p in res2[0]]) * (B * T)
@@ -284,8 +285,8 @@ def test_fc_norm_norm_output_template_is_refused(our_run, runs_31):
     model = sf.OnlineEagle3Model(draft, length=2, attention_backend="sdpa")
     with torch._dynamo.config.patch(disable=True), torch.no_grad():
         theirs, _ = peer.step_outputs(model, peer.specforge_inputs(sf, batch, torch.randn(embed.shape[0],
-                                      batch["target_hidden"].shape[-1]), "cpu", torch.float32))
-        mine = ours.ttt_forward(batch["hidden_state"].float(), batch["input_ids"].long(), None, steps=2)
+                                      batch.final_hidden.shape[-1]), "cpu", torch.float32))
+        mine = ours.ttt_forward(batch.hidden_state.float(), batch.input_ids.long(), None, steps=2)
         assert torch.allclose(mine[0], draft.norm(theirs[0]), rtol=1e-4, atol=1e-5)   # ours hands on norm(m_0)
         assert torch.allclose(ours.draft_logits(mine[0]), draft.compute_logits(theirs[0]), rtol=1e-4, atol=1e-5)
         d1 = float((ours.draft_logits(mine[1]) - draft.compute_logits(theirs[1])).abs().max())
@@ -352,9 +353,9 @@ def test_fc_norm_template_trains_exports_and_matches(our_run, runs_31):
     model = sf.OnlineEagle3Model(draft, length=K, attention_backend="sdpa")
     with torch._dynamo.config.patch(disable=True), torch.no_grad():
         sf_outs, _ = peer.step_outputs(model, peer.specforge_inputs(sf, batch, head.float(), "cpu", torch.float32))
-        our_outs = ours.ttt_forward(batch["hidden_state"].float(), batch["input_ids"].long(),
-                                    batch["attention_mask"].long(), steps=K)
-        real = batch["attention_mask"].bool()
+        our_outs = ours.ttt_forward(batch.hidden_state.float(), batch.input_ids.long(),
+                                    batch.attention_mask.long(), steps=K)
+        real = batch.attention_mask.bool()
         for a, b in zip(our_outs, sf_outs):
             assert torch.allclose(a[real], b[real], rtol=1e-4, atol=1e-4), float((a - b)[real].abs().max())
             la, lb = ours.draft_logits(a)[real], draft.compute_logits(b)[real]

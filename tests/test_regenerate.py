@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from eagle3.contract import ContractError, file_sha256, load_manifest
-from eagle3.dump.conversations import DataError, read_conversations, render_and_mask
+from eagle3.conversations.formats import DataError, read_conversations
+from eagle3.conversations.masking import render_and_mask
 from eagle3.records import REGENERATE_FILE
 from eagle3.regenerate.config import RegenConfig
 from eagle3.regenerate.files import CONVERSATIONS, ERRORS, SKIPPED

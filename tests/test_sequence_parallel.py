@@ -14,8 +14,8 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from eagle3.train.loss import KL, Objective, eagle3_loss
-from eagle3.train.sequence_parallel import (chunk_of, halo, piece_chunks, sequence_parallel_loss,
-                                            sequence_pieces_loss)
+from eagle3.train.pieces import piece_chunks, sequence_pieces_loss
+from eagle3.train.sequence_parallel import chunk_of, halo, sequence_parallel_loss
 
 from test_drafter import make_drafter
 from test_drafter_layouts import make as make_layout
@@ -41,14 +41,14 @@ def sample(seed=1, layout="llama"):
     return {"hidden_state": torch.randn(1, T, 3 * Ht, generator=g, dtype=torch.float64),
             "input_ids": torch.randint(0, V, (1, T), generator=g),
             "loss_mask": loss_mask,
-            "target_hidden": torch.randn(1, T, Ht, generator=g, dtype=torch.float64),
+            "final_hidden": torch.randn(1, T, Ht, generator=g, dtype=torch.float64),
             "lm_head": torch.randn(V, Ht, generator=g, dtype=torch.float64)}
 
 
 def unsplit(layout="llama", objective=KL):
     s, d = sample(layout=layout), drafter(layout)
     outs = d.ttt_forward(s["hidden_state"], s["input_ids"], None, K)
-    loss, m = eagle3_loss(d, outs, s["target_hidden"], s["lm_head"], s["input_ids"], s["loss_mask"], None,
+    loss, m = eagle3_loss(d, outs, s["final_hidden"], s["lm_head"], s["input_ids"], s["loss_mask"], None,
                           decay=DECAY, chunk_tokens=CHUNK, objective=objective)
     loss.backward()
     grads = {n: p.grad for n, p in d.named_parameters() if p.requires_grad}
@@ -64,7 +64,7 @@ def _worker(rank, size, port, out, fast, checkpointing, layout):
             s, d = sample(layout=layout), drafter(layout)
             d.activation_checkpointing = checkpointing
             loss, m = sequence_parallel_loss(d, s["lm_head"], s["hidden_state"], s["input_ids"], s["loss_mask"],
-                                             s["target_hidden"], steps=K, decay=DECAY, chunk_tokens=CHUNK, fast=fast,
+                                             s["final_hidden"], steps=K, decay=DECAY, chunk_tokens=CHUNK, fast=fast,
                                              objective=objective)
             loss.backward()
             res.update({f"{name}.grad.{n}": p.grad for n, p in d.named_parameters() if p.requires_grad})
@@ -143,10 +143,10 @@ def test_pieces_on_one_process_give_the_unsplit_step(pieces, fast, checkpointing
         d.activation_checkpointing = checkpointing
         extra = {}
         if argmax:
-            extra = dict(target_argmax=(s["target_hidden"] @ s["lm_head"].T).argmax(-1),
+            extra = dict(target_argmax=(s["final_hidden"] @ s["lm_head"].T).argmax(-1),
                          draft_head=s["lm_head"][d.t2d])
         loss, m = sequence_pieces_loss(d, s["lm_head"], s["hidden_state"], s["input_ids"], s["loss_mask"],
-                                       s["target_hidden"], pieces=pieces, steps=K, decay=DECAY, chunk_tokens=CHUNK,
+                                       s["final_hidden"], pieces=pieces, steps=K, decay=DECAY, chunk_tokens=CHUNK,
                                        fast=fast, objective=objective, **extra)
         assert all(p.grad is None for p in d.parameters())  # the earlier pieces' gradients wait for this backward
         loss.backward()
@@ -177,7 +177,7 @@ def test_step_counts_are_the_unsplit_denominators():
     from eagle3.train.loss import step_counts
     s, d = sample(), make_drafter()
     _, ref_m, _ = unsplit()
-    got = step_counts(d.t2d, (s["target_hidden"] @ s["lm_head"].T).argmax(-1), s["loss_mask"], None, K)
+    got = step_counts(d.t2d, (s["final_hidden"] @ s["lm_head"].T).argmax(-1), s["loss_mask"], None, K)
     assert torch.equal(got, ref_m["count"])
 
 

@@ -179,13 +179,13 @@ def test_compiled_pieces_survive_many_shapes_and_the_held_out_eval(tiny_dump, ti
 
 
 def test_an_error_in_the_final_evaluation_keeps_the_final_checkpoint(tiny_dump, tiny_targets, tmp_path, monkeypatch):
-    from eagle3.train import acceptance
+    from eagle3.train import trainer
     from eagle3.train.config import TrainConfig
     from eagle3.train.trainer import train
 
     def broken(*a, **k):
         raise RuntimeError("evaluation blew up")
-    monkeypatch.setattr(acceptance, "walk", broken)
+    monkeypatch.setattr(trainer, "walk", broken)  # the held-out replay
     out = tmp_path / "run"
     with pytest.raises(RuntimeError, match="blew up"):
         train(TrainConfig(dump=[tiny_dump], target=tiny_targets["llama"], out=str(out), drafter="tiny",
@@ -227,7 +227,7 @@ def test_loss_tokens_all_learns_at_prompt_positions_and_evaluates_on_answers(tin
 def test_noisy_aux_scales_the_noise_by_each_layers_rms():
     """--aux-noise: per captured layer and token, std = scale x that layer's RMS (layers of very different scales
     each get their share), reproducible by seed, in the input's dtype."""
-    from eagle3.train.trainer import noisy_aux
+    from eagle3.train.step import noisy_aux
     torch.manual_seed(0)
     H, scales = 64, (1e-2, 1.0, 1e2)
     x = torch.cat([s * torch.randn(2, 400, H, dtype=torch.float64) for s in scales], dim=-1)

@@ -83,7 +83,7 @@ def closed_form(step, lr, warmup, total, min_ratio):
 
 def test_lr_follows_cosine_with_warmup_down_to_the_floor_and_a_resume_continues_it():
     from eagle3.train.config import TrainConfig
-    from eagle3.train.trainer import lr_schedule
+    from eagle3.train.setup import lr_schedule
     cfg = TrainConfig(lr=1e-3, warmup_steps=4, min_lr_ratio=0.1)
 
     def run(total, state=None, steps=0):

@@ -100,7 +100,7 @@ def write_conversations(path, n=12, seed=0, extra_lines=()):
 def self_distilled_conversations(target: str, source: str, out_path: str, max_new_tokens: int = 32) -> str:
     """Conversations whose assistant turn is the target's own greedy continuation of the first user turn -- the
     data a drafter should be trained on to accept well on that target's generations."""
-    from eagle3.dump.conversations import read_conversations
+    from eagle3.conversations.formats import read_conversations
     from eagle3.target.load import load_target, load_tokenizer
     tok = load_tokenizer(target)
     model = load_target(target, torch.float32, torch.device("cpu"))

@@ -1,8 +1,9 @@
 """Typed training configuration: dataclass defaults < configs/train/*.yaml (--config) < command-line flags.
 
-The flags are made from the dataclass by transformers' HfArgumentParser (each field's `help=` metadata is its help
-text), so a new option is one field here. Every flag's parsed default is None: a value is taken from the command line
-only when it was given there, so a --config preset fills whatever the command line leaves out.
+The flags are made from the dataclass by eagle3.options (each field's `help` is its help text), spelled as
+transformers' HfArgumentParser made them, so a new option is one field here. Every flag's parsed default is None: a
+value is taken from the command line only when it was given there, so a --config preset fills whatever the command
+line leaves out.
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import yaml
 
-from eagle3.model.config import OPTIONS  # the EAGLE-3.1 switches: on, off (--no-X), or not given (the preset's)
+from eagle3 import presets
+from eagle3.model.kernels import CUDA_ATTENTION_KERNELS
+from eagle3.model.layers import checkpointing_mode
+from eagle3.options import add_options, given, opt
 from eagle3.train.loss import LOSSES  # --loss: train/loss.py Objective
 
 INIT_HEADS = ("target", "random")  # how the draft head (norm + lm_head) starts: train/trainer.py
@@ -22,118 +26,112 @@ INIT_HEADS = ("target", "random")  # how the draft head (norm + lm_head) starts:
 # token. The teacher is the target's own distribution at each position whoever wrote the text, so the prompt's
 # positions are supervision too, at no dump cost; the held-out replay walks the assistant's answers either way.
 LOSS_TOKENS = ("assistant", "all")
-TESTING_ONLY = ("stop_after_steps",)  # flags the tests use, hidden from --help
 REPORTERS = ("wandb", "tensorboard", "mlflow")  # --report-to names: train/trackers.py's TRACKERS
 
 
-def _opt(default=None, help: str = "", **kw):
-    """A field with its flag's help text (read by HfArgumentParser from the field metadata)."""
-    if "default_factory" in kw:
-        return field(default_factory=kw.pop("default_factory"), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
 
 
 @dataclass
 class TrainConfig:
     # ---- data, target, output
-    dump: list[str] = _opt(default_factory=list, help="dump directories (eagle3 dump --out); several must share one "
-                                                      "capture contract (target, indices, tokenizer)")
-    target: str = _opt("", "target model directory (only its embedding and lm_head are read)")
-    trust_remote_code: bool = _opt(False, "run the tokenizer code the target ships (tokenizer_config.json auto_map, "
-                                          "e.g. Kimi-K2.5's tokenization_kimi.py) to check the target's tokenizer "
-                                          "against the dumps', as eagle3 dump --trust-remote-code did; refused "
-                                          "otherwise")
-    out: str = _opt("runs/train", "run directory: run.json, metrics.jsonl, checkpoints/, tensorboard/")
-    drafter: str = _opt("auto", "configs/drafters preset, or 'auto' (the target's own attention/MLP shape)")
-    draft_vocab_size: int | None = _opt(None, "draft vocabulary size (default: the drafter preset's)")
+    dump: list[str] = opt(default_factory=list, help="dump directories (eagle3 dump --out); several must share one "
+                                                     "capture contract (target, indices, tokenizer)")
+    target: str = opt("", "target model directory (only its embedding and lm_head are read)")
+    trust_remote_code: bool = opt(False, "run the tokenizer code the target ships (tokenizer_config.json auto_map, "
+                                         "e.g. Kimi-K2.5's tokenization_kimi.py) to check the target's tokenizer "
+                                         "against the dumps', as eagle3 dump --trust-remote-code did; refused "
+                                         "otherwise")
+    out: str = opt("runs/train", "run directory: run.json, metrics.jsonl, checkpoints/, tensorboard/")
+    drafter: str = opt("auto", "configs/drafters preset, or 'auto' (the target's own attention/MLP shape)")
+    draft_vocab_size: int | None = opt(None, "draft vocabulary size (default: the drafter preset's)")
     # EAGLE-3.1 (docs/drafters.md); None = the drafter preset's (off unless the preset turns it on)
-    fc_norm: bool | None = _opt(None, "EAGLE-3.1: one RMSNorm per captured state before fc (tensors fc_norm.{i}); "
-                                      "exclusive with --norm-before-fc (default: the drafter preset's, else off)")
-    norm_before_fc: bool | None = _opt(None, "one RMSNorm over the whole concatenation of captured states before fc "
-                                             "(tensor input_norm; gpt-oss drafters) (default: the drafter preset's, "
-                                             "else off)")
-    norm_output: bool | None = _opt(None, "EAGLE-3.1: the post-norm hidden is what lm_head reads and what the next "
-                                          "draft step receives (default: the drafter preset's, else off)")
-    vocab: str | None = _opt(None, "a vocab file from `eagle3 vocab` (default: computed from the training split)")
+    fc_norm: bool | None = opt(None, "EAGLE-3.1: one RMSNorm per captured state before fc (tensors fc_norm.{i}); "
+                                     "exclusive with --norm-before-fc (default: the drafter preset's, else off)")
+    norm_before_fc: bool | None = opt(None, "one RMSNorm over the whole concatenation of captured states before fc "
+                                            "(tensor input_norm; gpt-oss drafters) (default: the drafter preset's, "
+                                            "else off)")
+    norm_output: bool | None = opt(None, "EAGLE-3.1: the post-norm hidden is what lm_head reads and what the next "
+                                         "draft step receives (default: the drafter preset's, else off)")
+    vocab: str | None = opt(None, "a vocab file from `eagle3 vocab` (default: computed from the training split)")
     # ---- optimisation
-    zero_stage: int = _opt(2, "DeepSpeed ZeRO stage 0-3 (configs/deepspeed/zeroN.json; 3 uses the plain path)")
-    bf16: bool = _opt(True, "train in bf16 (--no-bf16: fp32)")
-    max_steps: int | None = _opt(None, "micro-steps to train (default: --epochs x steps per epoch)")
-    epochs: float = _opt(1.0, "passes over the training split (when --max-steps is not given)")
-    token_budget: int = _opt(8192, "padded tokens per micro-batch per rank (samples are length-grouped)")
-    grad_accum: int = _opt(1, "micro-batches per optimizer step")
-    lr: float = _opt(1e-4, "peak learning rate (AdamW)")
-    min_lr_ratio: float = _opt(0.1, "the cosine schedule ends at lr x this")
-    warmup_steps: int = _opt(50, "optimizer steps of linear warm-up before the cosine decay")
-    weight_decay: float = _opt(0.0, "AdamW weight decay")
-    betas: tuple[float, float] = _opt((0.9, 0.95), "AdamW betas, e.g. 0.9,0.95")
-    grad_clip: float = _opt(0.5, "gradient-norm clipping")
-    ttt_steps: int = _opt(7, "training-time-test unroll: draft steps K trained per position")
-    step_decay: float = _opt(0.8, "loss weight of draft step j is step_decay**j")
-    held_out_fraction: float = _opt(0.02, "share of samples (by sample_index) kept out of training for evaluation")
-    seed: int = _opt(0, "seed of the split, the batch order and the initial weights")
-    init_from: str | None = _opt(None, "warm start: an export directory (eagle3 export-sglang, or a published SGLang "
-                                       "EAGLE-3 drafter) whose weights, shape and vocab map the drafter starts from; "
-                                       "refused unless its served capture, hidden size and vocab fit the dumps")
-    init_from_sglang: str | None = _opt(None, "SGLang release whose id rule reads --init-from's ids when it has no "
-                                              "eagle3 provenance (default: the latest known)")
-    init_head: str = _opt("random", "initial draft head: 'random', or 'target' (the target's lm_head rows of the "
-                                    "draft vocab and its final norm; measured worse, bench/quality.md)")
-    loss_tokens: str = _opt("assistant", "positions the loss learns from: 'assistant' (the dump's loss mask) or "
-                                         "'all' real tokens, the prompt's included (the teacher is the target's "
-                                         "distribution everywhere)")
-    loss: str = _opt("kl", "training objective per draft step (docs/contract.md §9): 'kl', the soft cross-entropy "
-                           "against the target's distribution over the draft vocab; 'lk', -log of the expected "
-                           "acceptance rate alpha = sum_v min(p_v, q_v) (the LK loss, arXiv 2602.23881); "
-                           "'lk-hybrid', w * KL + (1 - w) * (1 - mean alpha) with w = --lk-kl-scale x "
-                           "exp(-(--lk-kl-decay) x mean alpha), the step's mean over its pairs. metrics.jsonl's "
-                           "alpha_j is the mean alpha under every loss", choices=LOSSES)
-    lk_kl_scale: float = _opt(1.0, "--loss lk-hybrid: the KL weight's scale (w at mean acceptance 0), >= 0")
-    lk_kl_decay: float = _opt(1.0, "--loss lk-hybrid: how fast the KL weight falls as the mean acceptance rises, "
-                                   ">= 0 (0: a fixed weight --lk-kl-scale)")
-    aux_noise: float = _opt(0.0, "training only: Gaussian noise on the captured states fed to the drafter, its std "
-                                 "this times each captured layer's per-token RMS (EAGLE-1's feature noise, a "
-                                 "regulariser for small data); 0 = off")
+    zero_stage: int = opt(2, "DeepSpeed ZeRO stage 0-3 (configs/deepspeed/zeroN.json; 3 uses the plain path)")
+    bf16: bool = opt(True, "train in bf16 (--no-bf16: fp32)")
+    max_steps: int | None = opt(None, "micro-steps to train (default: --epochs x steps per epoch)")
+    epochs: float = opt(1.0, "passes over the training split (when --max-steps is not given)")
+    token_budget: int = opt(8192, "padded tokens per micro-batch per rank (samples are length-grouped)")
+    grad_accum: int = opt(1, "micro-batches per optimizer step")
+    lr: float = opt(1e-4, "peak learning rate (AdamW)")
+    min_lr_ratio: float = opt(0.1, "the cosine schedule ends at lr x this")
+    warmup_steps: int = opt(50, "optimizer steps of linear warm-up before the cosine decay")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    betas: tuple[float, float] = opt((0.9, 0.95), "AdamW betas, e.g. 0.9,0.95", type=_floats)  # one argument
+    grad_clip: float = opt(0.5, "gradient-norm clipping")
+    ttt_steps: int = opt(7, "training-time-test unroll: draft steps K trained per position")
+    step_decay: float = opt(0.8, "loss weight of draft step j is step_decay**j")
+    held_out_fraction: float = opt(0.02, "share of samples (by sample_index) kept out of training for evaluation")
+    seed: int = opt(0, "seed of the split, the batch order and the initial weights")
+    init_from: str | None = opt(None, "warm start: an export directory (eagle3 export-sglang, or a published SGLang "
+                                      "EAGLE-3 drafter) whose weights, shape and vocab map the drafter starts from; "
+                                      "refused unless its served capture, hidden size and vocab fit the dumps")
+    init_from_sglang: str | None = opt(None, "SGLang release whose id rule reads --init-from's ids when it has no "
+                                             "eagle3 provenance (default: the latest known)")
+    init_head: str = opt("random", "initial draft head: 'random', or 'target' (the target's lm_head rows of the "
+                                   "draft vocab and its final norm; measured worse, bench/quality.md)")
+    loss_tokens: str = opt("assistant", "positions the loss learns from: 'assistant' (the dump's loss mask) or "
+                                        "'all' real tokens, the prompt's included (the teacher is the target's "
+                                        "distribution everywhere)")
+    loss: str = opt("kl", "training objective per draft step (docs/contract.md §9): 'kl', the soft cross-entropy "
+                          "against the target's distribution over the draft vocab; 'lk', -log of the expected "
+                          "acceptance rate alpha = sum_v min(p_v, q_v) (the LK loss, arXiv 2602.23881); "
+                          "'lk-hybrid', w * KL + (1 - w) * (1 - mean alpha) with w = --lk-kl-scale x "
+                          "exp(-(--lk-kl-decay) x mean alpha), the step's mean over its pairs. metrics.jsonl's "
+                          "alpha_j is the mean alpha under every loss", choices=LOSSES)
+    lk_kl_scale: float = opt(1.0, "--loss lk-hybrid: the KL weight's scale (w at mean acceptance 0), >= 0")
+    lk_kl_decay: float = opt(1.0, "--loss lk-hybrid: how fast the KL weight falls as the mean acceptance rises, "
+                                  ">= 0 (0: a fixed weight --lk-kl-scale)")
+    aux_noise: float = opt(0.0, "training only: Gaussian noise on the captured states fed to the drafter, its std "
+                                "this times each captured layer's per-token RMS (EAGLE-1's feature noise, a "
+                                "regulariser for small data); 0 = off")
     # ---- checkpoints and evaluation
-    save_interval: int = _opt(500, "save a checkpoint every this many micro-steps (and at the end)")
-    keep_checkpoints: int = _opt(2, "interval checkpoints kept (older ones are deleted)")
-    eval_interval: int = _opt(250, "held-out evaluation every this many micro-steps (and at the end)")
-    eval_batches: int = _opt(20, "held-out batches per evaluation")
-    accept_steps: int | None = _opt(None, "chain length of the held-out decoding replay (default: --ttt-steps)")
-    accept_max_new_tokens: int | None = _opt(None, "replay: stop each turn after this many tokens, as eval does")
-    keep_best: bool = _opt(True, "keep checkpoints/best: the weights with the best held-out decoding acceptance")
+    save_interval: int = opt(500, "save a checkpoint every this many micro-steps (and at the end)")
+    keep_checkpoints: int = opt(2, "interval checkpoints kept (older ones are deleted)")
+    eval_interval: int = opt(250, "held-out evaluation every this many micro-steps (and at the end)")
+    eval_batches: int = opt(20, "held-out batches per evaluation")
+    accept_steps: int | None = opt(None, "chain length of the held-out decoding replay (default: --ttt-steps)")
+    accept_max_new_tokens: int | None = opt(None, "replay: stop each turn after this many tokens, as eval does")
+    keep_best: bool = opt(True, "keep checkpoints/best: the weights with the best held-out decoding acceptance")
     # ---- speed and memory
-    log_interval: int = _opt(10, "steps pooled per metrics line (the only host sync of the loop)")
-    num_workers: int = _opt(2, "data-loader worker processes")
-    activation_checkpointing: str = _opt("none", "none | mlp (recompute gate/up) | step (recompute whole TTT "
-                                                 "steps; needs the fast path) | step_mlp (both: least memory)")
-    fast_path: bool = _opt(True, "model/kernels.py forward + fused loss (ZeRO 0-2; ZeRO-3 uses the plain path)")
-    sequence_parallel: int = _opt(1, "ranks that split every batch's positions between them (contiguous chunks, "
-                                     "train/sequence_parallel.py): for samples longer than one GPU holds. Groups of "
-                                     "this many consecutive ranks share each batch (the world size must be a "
-                                     "multiple); --token-budget counts the whole batch")
-    piece_tokens: int = _opt(0, "take every batch wider than this many tokens in contiguous pieces of about this "
-                                "many, one after another, each with its own backward (train/sequence_parallel.py "
-                                "sequence_pieces_loss): one GPU then holds one piece's activations, for samples "
-                                "longer than it holds whole; the same gradient. 0: whole rows. Not with "
-                                "--sequence-parallel or ZeRO-3")
-    attention_kernel: str = _opt("auto", "fast path CUDA attention: auto | cudnn | flash | efficient (model/kernels.py)")
-    teacher_chunk_tokens: int = _opt(4096, "tokens per chunk of the teacher's lm_head (bounds its memory)")
+    log_interval: int = opt(10, "steps pooled per metrics line (the only host sync of the loop)")
+    num_workers: int = opt(2, "data-loader worker processes")
+    activation_checkpointing: str = opt("none", "none | mlp (recompute gate/up) | step (recompute whole TTT "
+                                                "steps; needs the fast path) | step_mlp (both: least memory)")
+    fast_path: bool = opt(True, "model/kernels.py forward + fused loss (ZeRO 0-2; ZeRO-3 uses the plain path)")
+    sequence_parallel: int = opt(1, "ranks that split every batch's positions between them (contiguous chunks, "
+                                    "train/sequence_parallel.py): for samples longer than one GPU holds. Groups of "
+                                    "this many consecutive ranks share each batch (the world size must be a "
+                                    "multiple); --token-budget counts the whole batch")
+    piece_tokens: int = opt(0, "take every batch wider than this many tokens in contiguous pieces of about this "
+                               "many, one after another, each with its own backward (train/sequence_parallel.py "
+                               "sequence_pieces_loss): one GPU then holds one piece's activations, for samples "
+                               "longer than it holds whole; the same gradient. 0: whole rows. Not with "
+                               "--sequence-parallel or ZeRO-3")
+    attention_kernel: str = opt("auto", "fast path CUDA attention: auto | cudnn | flash | efficient (model/kernels.py)")
+    teacher_chunk_tokens: int = opt(4096, "tokens per chunk of the teacher's lm_head (bounds its memory)")
     # ---- run control and logging
-    resume: bool = _opt(False, "continue the run in --out from checkpoints/latest (same data order and split)")
-    report_to: str = _opt("none", "trackers, comma-separated: wandb, tensorboard (RUN/tensorboard/), mlflow "
-                                  "($MLFLOW_TRACKING_URI, else RUN/mlruns), or none; "
-                                   "metrics.jsonl is always written")
-    wandb_project: str = _opt("eagle3", "wandb project (and MLflow experiment)")
-    wandb_mode: str | None = _opt(None, "wandb mode: online | offline | disabled (default: $WANDB_MODE, else "
-                                        "offline unless logged in); disabled drops wandb from --report-to")
-    progress: bool = _opt(True, "progress bar (--no-progress: off)")
-    stop_after_steps: int | None = _opt(None, "testing aid: exit after this many steps as if killed")
+    resume: bool = opt(False, "continue the run in --out from checkpoints/latest (same data order and split)")
+    report_to: str = opt("none", "trackers, comma-separated: wandb, tensorboard (RUN/tensorboard/), mlflow "
+                                 "($MLFLOW_TRACKING_URI, else RUN/mlruns), or none; "
+                                  "metrics.jsonl is always written")
+    wandb_project: str = opt("eagle3", "wandb project (and MLflow experiment)")
+    wandb_mode: str | None = opt(None, "wandb mode: online | offline | disabled (default: $WANDB_MODE, else "
+                                       "offline unless logged in); disabled drops wandb from --report-to")
+    progress: bool = opt(True, "progress bar (--no-progress: off)")
+    stop_after_steps: int | None = opt(None, "testing aid: exit after this many steps as if killed", hidden=True)
 
     def __post_init__(self):
         import math
-        from eagle3.model.layers import checkpointing_mode
-        from eagle3.model.kernels import CUDA_ATTENTION_KERNELS
 
         def flag(name):
             return "--" + name.replace("_", "-")
@@ -203,44 +201,10 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def _bool(text: str) -> bool:
-    from transformers.hf_argparser import string_to_bool
-    return string_to_bool(text)
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(","))
-
-
 def train_parser() -> argparse.ArgumentParser:
     """The train flags, as a parent parser for `eagle3 train` (and through it `deepspeed --module eagle3.train`)."""
-    from transformers import HfArgumentParser
-    ap = HfArgumentParser(TrainConfig, add_help=False)
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    # HfArgumentParser adds --no-X only for flags that default to True; the old BooleanOptionalAction flags had both
-    for name, f in fields.items():
-        if f.default is False or name in OPTIONS:
-            ap.add_argument(f"--no-{name.replace('_', '-')}", dest=name, action="store_false")
-    for action in ap._actions:
-        f = fields.get(action.dest)
-        if f is None:
-            continue
-        action.option_strings.sort(key=lambda o: "_" in o)  # --warmup-steps first (README's spelling)
-        if action.option_strings[0].startswith("--no-"):
-            action.help = f"turn off --{f.name.replace('_', '-')}"
-        else:
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            shown = "default" in f.metadata["help"] or default in (None, "", [])
-            action.help = f.metadata["help"] + ("" if shown else f" (default: {default})")
-        if f.name == "betas":
-            action.type = _floats  # one argument "0.9,0.95", as before (HfArgumentParser would call tuple(text))
-        if f.name in OPTIONS and not action.option_strings[0].startswith("--no-"):
-            action.nargs, action.const, action.type = "?", True, _bool  # --fc-norm alone means true
-        if action.nargs == "?" and action.const is True:  # a switch that also takes true/false: say so
-            action.metavar = "{true,false}"
-        if f.name in TESTING_ONLY:
-            action.help = argparse.SUPPRESS
-    ap.set_defaults(**{name: None for name in fields})  # None = not given: a --config preset may fill it
+    ap = argparse.ArgumentParser(add_help=False)
+    add_options(ap, TrainConfig, hf_style=True)
     ap.add_argument("--config", default=None, help="configs/train preset name or a YAML file (its keys are the "
                                                    "options below, with underscores); flags override it")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
@@ -275,7 +239,6 @@ def load_yaml(name_or_path: str) -> dict:
             raise ValueError(f"--config {name_or_path}: not a YAML file this loader reads "
                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
     else:
-        from eagle3 import presets
         values = presets.load("train", name_or_path)
     if values is None:
         return {}
@@ -292,10 +255,7 @@ def from_args(a: argparse.Namespace) -> TrainConfig:
     if unknown:
         raise ValueError(f"{a.config}: unknown training options {sorted(unknown)}")
     _check_types(values, f"--config {a.config}")
-    for name in known:
-        v = getattr(a, name, None)
-        if v is not None:
-            values[name] = v
+    values.update(given(TrainConfig, a, hf_style=True))
     if "betas" in values:
         values["betas"] = tuple(values["betas"])
     cfg = TrainConfig(**values)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from eagle3 import contract as C
+from eagle3.model.checkpoint import capture_indices_of_export, export_drafter_config, load_export, weights_sha256
+from eagle3.records import PROVENANCE_FILE
 
 
 @dataclass
@@ -47,8 +49,6 @@ class InitFrom:
 
 def read_init_from(export_dir: str, manifest: C.DumpManifest, sglang_version: str | None = None) -> InitFrom:
     """Load the export at `export_dir` and check it against the dumps' `manifest`; ContractError otherwise."""
-    from eagle3.model.checkpoint import capture_indices_of_export, export_drafter_config, load_export, weights_sha256
-    from eagle3.records import PROVENANCE_FILE
     path = os.path.abspath(export_dir)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--init-from {export_dir}: not a directory")

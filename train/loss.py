@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from eagle3.model.kernels import lean_norm, linear_alpha_sums, linear_soft_cross_entropy
 
 DEFAULT_CHUNK_TOKENS = 1024
 LOSSES = ("kl", "lk", "lk-hybrid")  # eagle3 train --loss
@@ -87,32 +88,32 @@ def _pooled_alpha(alpha_sum: torch.Tensor, reduce_counts, reduce_alpha) -> torch
 
 
 @torch.no_grad()
-def teacher(target_hidden: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor,
+def teacher(final_hidden: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor,
             chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
     """Teacher distributions for N tokens.
 
-    target_hidden [N, Ht] (post-final-norm), lm_head_weight [V, Ht], t2d bool [V].
+    final_hidden [N, Ht] (post-final-norm), lm_head_weight [V, Ht], t2d bool [V].
     Returns (p_draft [N, Dv] fp32 (fp64 for an fp64 weight): target probs restricted to the draft vocab (draft order = ascending target id)
     and renormalised; in_vocab bool [N]: full-vocab argmax is a draft token; target_argmax_draft [N] long: that
     argmax as a draft id, 0 where not in_vocab).
     The matmul runs in lm_head_weight's dtype (as the target computes its own logits); softmax in fp32 (or fp64).
     """
-    if target_hidden.dim() != 2 or lm_head_weight.dim() != 2 or target_hidden.shape[1] != lm_head_weight.shape[1]:
-        raise ValueError(f"teacher: target_hidden {tuple(target_hidden.shape)} vs lm_head {tuple(lm_head_weight.shape)}")
+    if final_hidden.dim() != 2 or lm_head_weight.dim() != 2 or final_hidden.shape[1] != lm_head_weight.shape[1]:
+        raise ValueError(f"teacher: final_hidden {tuple(final_hidden.shape)} vs lm_head {tuple(lm_head_weight.shape)}")
     V = lm_head_weight.shape[0]
     t2d = t2d.to(device=lm_head_weight.device, dtype=torch.bool)
     if t2d.shape != (V,):
         raise ValueError(f"t2d has shape {tuple(t2d.shape)}, lm_head has {V} rows")
     draft_ids = t2d.nonzero().squeeze(-1)                   # [Dv] target ids, ascending
     t2d_index = draft_index(t2d)                            # target id -> draft id, -1 where not a draft token
-    N = target_hidden.shape[0]
+    N = final_hidden.shape[0]
     acc = torch.promote_types(lm_head_weight.dtype, torch.float32)
     p = torch.empty(N, draft_ids.numel(), dtype=acc, device=lm_head_weight.device)
     in_vocab = torch.empty(N, dtype=torch.bool, device=lm_head_weight.device)
     argmax_draft = torch.empty(N, dtype=torch.int64, device=lm_head_weight.device)
     chunk = max(1, int(chunk_tokens))
     for s in range(0, N, chunk):
-        hs = target_hidden[s:s + chunk].to(device=lm_head_weight.device, dtype=lm_head_weight.dtype)
+        hs = final_hidden[s:s + chunk].to(device=lm_head_weight.device, dtype=lm_head_weight.dtype)
         logits = (hs @ lm_head_weight.T).to(acc)            # [c, V]
         am = logits.argmax(-1)
         d = t2d_index[am]
@@ -124,7 +125,7 @@ def teacher(target_hidden: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torc
 
 
 @torch.no_grad()
-def teacher_from_argmax(target_hidden: torch.Tensor, draft_head_weight: torch.Tensor, t2d_index: torch.Tensor,
+def teacher_from_argmax(final_hidden: torch.Tensor, draft_head_weight: torch.Tensor, t2d_index: torch.Tensor,
                         target_argmax: torch.Tensor):
     """`teacher` when the full-vocab argmax was recorded at dump time: only the draft-vocab rows of the target head
     are multiplied (the renormalised teacher needs nothing else), so a step costs 2*H*Dv instead of 2*H*V per token.
@@ -139,7 +140,7 @@ def teacher_from_argmax(target_hidden: torch.Tensor, draft_head_weight: torch.Te
 
     @torch.no_grad()
     def rows(lo: int, hi: int) -> torch.Tensor:
-        hs = target_hidden[lo:hi].to(device=dev, dtype=draft_head_weight.dtype)
+        hs = final_hidden[lo:hi].to(device=dev, dtype=draft_head_weight.dtype)
         return torch.softmax((hs @ draft_head_weight.T).to(acc), dim=-1)
 
     d = t2d_index.to(dev)[target_argmax.to(dev).long()]
@@ -166,13 +167,13 @@ def teacher_positions(loss_mask: torch.Tensor, attention_mask: torch.Tensor | No
 
 
 @torch.no_grad()
-def full_vocab_argmax(target_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+def full_vocab_argmax(final_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                       chunk_tokens: int) -> torch.Tensor:
     """[..., Ht] -> [...] long: the target's full-vocab argmax from its own head (what the dump records as
     `target_argmax` when it can), the logits computed `chunk_tokens` rows at a time."""
-    th, w = target_hidden.reshape(-1, target_hidden.shape[-1]), lm_head_weight
+    th, w = final_hidden.reshape(-1, final_hidden.shape[-1]), lm_head_weight
     am = [(th[s:s + chunk_tokens].to(w.dtype) @ w.T).argmax(-1) for s in range(0, th.shape[0], chunk_tokens)]
-    return torch.cat(am).view(target_hidden.shape[:-1])
+    return torch.cat(am).view(final_hidden.shape[:-1])
 
 
 def step_counts(t2d: torch.Tensor, target_argmax: torch.Tensor, loss_mask: torch.Tensor,
@@ -218,7 +219,7 @@ def _soft_ce(drafter, m: torch.Tensor, p: torch.Tensor, tgt: torch.Tensor, chunk
     return ce_total, correct_total, torch.cat(alphas)
 
 
-def eagle3_loss(drafter, step_outputs: Sequence[torch.Tensor], target_hidden: torch.Tensor,
+def eagle3_loss(drafter, step_outputs: Sequence[torch.Tensor], final_hidden: torch.Tensor,
                 lm_head_weight: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, decay: float = 0.8,
                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, queries: int | None = None, reduce_counts=None,
@@ -226,7 +227,7 @@ def eagle3_loss(drafter, step_outputs: Sequence[torch.Tensor], target_hidden: to
     """The EAGLE-3 TTT loss.
 
     drafter: has draft_logits(m) and buffer t2d; step_outputs: [m_0..m_{K-1}] each [B, T, H] (ttt_forward);
-    target_hidden [B, T, Ht] (post-final-norm); lm_head_weight [V, Ht] (target's); input_ids [B, T] (only shapes
+    final_hidden [B, T, Ht] (post-final-norm); lm_head_weight [V, Ht] (target's); input_ids [B, T] (only shapes
     are used: the teacher is the target's distribution, not the one-hot data token); loss_mask [B, T] (1 at tokens to
     learn to predict); attention_mask [B, T] (None = all real).
 
@@ -254,7 +255,7 @@ def eagle3_loss(drafter, step_outputs: Sequence[torch.Tensor], target_hidden: to
     row_of = torch.full((B * T,), -1, dtype=torch.int64, device=dev)
     row_of[flat] = torch.arange(flat.numel(), device=dev)
     row_of = row_of.view(B, T)
-    th = target_hidden.reshape(B * T, -1).index_select(0, flat.to(target_hidden.device))
+    th = final_hidden.reshape(B * T, -1).index_select(0, flat.to(final_hidden.device))
     p_t, in_vocab, argmax_d = teacher(th, lm_head_weight, drafter.t2d, chunk_tokens)
     p_t, in_vocab, argmax_d = p_t.to(dev), in_vocab.to(dev), argmax_d.to(dev)
 
@@ -329,7 +330,7 @@ def acceptance_length(correct_counts, totals):
     return tau if is_tensor else float(tau)
 
 
-def eagle3_loss_fused(drafter, step_outputs: Sequence[torch.Tensor], target_hidden: torch.Tensor,
+def eagle3_loss_fused(drafter, step_outputs: Sequence[torch.Tensor], final_hidden: torch.Tensor,
                       input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None,
                       decay: float = 0.8, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, *,
                       lm_head_weight: torch.Tensor | None = None, target_argmax: torch.Tensor | None = None,
@@ -345,12 +346,11 @@ def eagle3_loss_fused(drafter, step_outputs: Sequence[torch.Tensor], target_hidd
     (kernels.linear_alpha_sums, pooled by `reduce_alpha`), then the weighted pass. Without grad (held-out
     evaluation) one pass gives every sum the loss is made of.
     Reads the drafter's norm / lm_head weights directly (not for ZeRO-3)."""
-    from eagle3.model.kernels import lean_norm, linear_alpha_sums, linear_soft_cross_entropy
     K = len(step_outputs)
     B, T = input_ids.shape
     dev = step_outputs[0].device
     need = teacher_positions(loss_mask, attention_mask, dev)            # teacher position u = predicted p - 1
-    th = target_hidden.reshape(B * T, -1)
+    th = final_hidden.reshape(B * T, -1)
     if target_argmax is not None:
         if draft_head_weight is None:
             raise ValueError("target_argmax needs draft_head_weight (the draft-vocab rows of the target lm_head)")
