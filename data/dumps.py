@@ -249,7 +249,13 @@ def is_held_out(sample_index: int, fraction: float, seed: int) -> bool:
     return _mix64(_mix64(seed) ^ sample_index) < fraction * 2.0**64
 
 
-def split(refs: list[SampleRef], held_out_fraction: float, seed: int = 0) -> tuple[list[SampleRef], list[SampleRef]]:
+# The held-out split's defaults (eagle3 train and eagle3 vocab take them from here)
+HELD_OUT_FRACTION = 0.02
+SPLIT_SEED = 0
+
+
+def split(refs: list[SampleRef], held_out_fraction: float,
+          seed: int = SPLIT_SEED) -> tuple[list[SampleRef], list[SampleRef]]:
     train, held = [], []
     for r in refs:
         (held if is_held_out(r.sample_index, held_out_fraction, seed) else train).append(r)

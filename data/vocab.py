@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
@@ -16,7 +17,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from eagle3 import contract as C
-from eagle3.data.dumps import DumpSet, SampleRef
+from eagle3.data.dumps import HELD_OUT_FRACTION, SPLIT_SEED, DumpSet, SampleRef, split
+from eagle3.options import opt
 from eagle3.vocab_map import vocab_map, vocab_map_problem
 
 
@@ -110,3 +112,25 @@ def load_vocab(path: str) -> dict:
     if problem:
         raise C.ContractError(f"{path}: {problem}")
     return {"d2t": d2t, "t2d": t2d, "meta": meta}
+
+
+@dataclass
+class VocabConfig:
+    """`eagle3 vocab`: a draft vocabulary file from the training split of dumps (the split `eagle3 train` makes with
+    the same --held-out-fraction and --seed)."""
+    dump: list[str] = opt(help="dump directories (their training split is counted)")
+    draft_vocab_size: int = opt(help="tokens in the draft vocabulary: the most frequent loss tokens of the training "
+                                     "split")
+    out: str = opt(help="output .safetensors file")
+    verify: bool = opt(True, "skip the shard sha256 check")
+    held_out_fraction: float = opt(HELD_OUT_FRACTION, "share of samples (by sample_index) kept out of training for "
+                                                      "evaluation")
+    seed: int = opt(SPLIT_SEED, "seed of the held-out split")
+
+
+def make_vocab_file(cfg: VocabConfig) -> dict:
+    ds = DumpSet(cfg.dump, verify=cfg.verify, progress=True)
+    train, _ = split(ds.refs, cfg.held_out_fraction, cfg.seed)
+    vocab = build_vocab(ds, train, cfg.draft_vocab_size, progress=True)
+    save_vocab(cfg.out, vocab)
+    return vocab

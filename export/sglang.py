@@ -21,11 +21,13 @@ tensor's shape against config.json. An export without provenance (a drafter from
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +36,7 @@ from eagle3 import serving as S
 from eagle3.atomic import replaced_dir
 from eagle3.model import DrafterConfig, architecture, tensor_shapes
 from eagle3.model.checkpoint import EXPORT_DTYPE, check_tensors, draft_config, load_export
+from eagle3.options import opt
 from eagle3.records import (CKPT_FILE, DRAFTER_WEIGHTS_FILE, EXPORT_CONFIG_FILE as CONFIG_FILE, EXPORT_FILES,
                             EXPORT_FORMAT, EXPORT_WEIGHTS_FILE as WEIGHTS_FILE, MEANING_KEY, PROVENANCE_FILE, RUN_FILE,
                             VOCAB_FILE, CheckpointRecord, ExportProvenance, RunRecord, check_files, find_checkpoint)
@@ -141,9 +144,36 @@ def _is_previous_export(path: str) -> bool:
         return False
 
 
-def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: str = "sglang",
-                   sglang_version: str = S.SGLANG_LATEST, allow_cuda_graph_mismatch: bool = False,
-                   vllm_version: str = S.VLLM_LATEST) -> ExportProvenance:
+def step_arg(text: str) -> int | str:
+    """--step: a step number or 'best'."""
+    if text == "best":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--step {text!r}: a step number or 'best'") from None
+
+
+@dataclass
+class ExportConfig:
+    """`eagle3 export-sglang`: export_drafter's arguments."""
+    run_dir: str = opt(help="training run directory (eagle3 train --out)", flag="run")
+    out_dir: str = opt(help="output directory (config.json, model.safetensors, provenance)", flag="out")
+    step: int | str | None = opt(None, "checkpoint step, or 'best' (best held-out decoding acceptance; default: the "
+                                       "latest)", type=step_arg)
+    sglang_version: str = opt(S.SGLANG_LATEST, "SGLang release the ids are computed for and that must serve the "
+                                               "drafter's architecture and options")
+    engine: str = opt("sglang", "the serving engine the config.json is written for (its id rule and class names)",
+                      choices=list(ENGINES))
+    vllm_version: str = opt(S.VLLM_LATEST, "--engine vllm: the vLLM release that must serve the drafter's "
+                                           "architecture and options")
+    allow_cuda_graph_mismatch: bool = opt(False, "SGLang <= 0.5.10.post1 with a non-default capture set: export "
+                                                 "anyway (serve with --disable-cuda-graph)")
+
+
+def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: str = ExportConfig.engine,
+                   sglang_version: str = ExportConfig.sglang_version, allow_cuda_graph_mismatch: bool = False,
+                   vllm_version: str = ExportConfig.vllm_version) -> ExportProvenance:
     """Export checkpoint `step` (default: the latest) of training run `run_dir` into `out_dir`; returns the
     provenance written to out_dir/eagle3_provenance.json. Refused when the engine release targeted would not serve
     the drafter's architecture or one of its options (eagle3.serving.check_drafter_served)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import yaml
 
 from eagle3 import presets
+from eagle3.data.dumps import HELD_OUT_FRACTION, SPLIT_SEED
 from eagle3.model.kernels import CUDA_ATTENTION_KERNELS
 from eagle3.model.layers import checkpointing_mode
 from eagle3.options import add_options, given, opt
@@ -70,8 +71,8 @@ class TrainConfig:
     grad_clip: float = opt(0.5, "gradient-norm clipping")
     ttt_steps: int = opt(7, "training-time-test unroll: draft steps K trained per position")
     step_decay: float = opt(0.8, "loss weight of draft step j is step_decay**j")
-    held_out_fraction: float = opt(0.02, "share of samples (by sample_index) kept out of training for evaluation")
-    seed: int = opt(0, "seed of the split, the batch order and the initial weights")
+    held_out_fraction: float = opt(HELD_OUT_FRACTION, "share of samples (by sample_index) kept out of training for evaluation")
+    seed: int = opt(SPLIT_SEED, "seed of the split, the batch order and the initial weights")
     init_from: str | None = opt(None, "warm start: an export directory (eagle3 export-sglang, or a published SGLang "
                                       "EAGLE-3 drafter) whose weights, shape and vocab map the drafter starts from; "
                                       "refused unless its served capture, hidden size and vocab fit the dumps")
