@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle3 import contract as C
+from eagle3.data.standardize import Sample
 from eagle3.dump.shards import dequantize_fp8
 
 HIDDEN_STATE_SCALE = C.scale_key(C.HIDDEN_STATE)
@@ -74,7 +75,7 @@ def _batch_tensor(shape, dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(storage).view(shape)
 
 
-def collate(samples: list[dict], pad_id: int = 0) -> Batch:
+def collate(samples: list[Sample], pad_id: int = 0) -> Batch:
     """Right-pad standardized samples into a batch with an attention mask. Samples may carry `hidden_state` or
     `hidden_parts` (standardized(concat=False)): the parts are written straight into their columns."""
     B, T = len(samples), max(s[C.INPUT_IDS].shape[0] for s in samples)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from eagle3 import contract as C
 from eagle3.contract import ContractError, DumpManifest
-from eagle3.data.standardize import standardize_data_v1
+from eagle3.data.standardize import Sample, standardize_data_v1
 from eagle3.dump.shards import dequantize_fp8, read_shard_metadata
 
 logger = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class DumpSet:
             out[k] = x
         return out
 
-    def standardized(self, ref: SampleRef, concat: bool = True) -> dict:
+    def standardized(self, ref: SampleRef, concat: bool = True) -> Sample:
         keys = [C.INPUT_IDS, C.LOSS_MASK, C.FINAL_HIDDEN] + [C.hidden_state_key(k) for k in self.indices]
         try:
             if C.TARGET_ARGMAX in self._shard(ref.dump, ref.shard).keys():

@@ -7,6 +7,8 @@ captured states in. The indices come from the manifest, never from a literal.
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 
 from eagle3 import contract as C
@@ -14,8 +16,21 @@ from eagle3.contract import ContractError, DumpManifest
 
 VERSION = C.STANDARDIZE_VERSION
 
+# A standardized sample: the typed record standardize_data_v1 returns and data/batch.py's collate pads into a Batch.
+# Its keys are the contract's tensor names (core/contract.py), as in the shard and the batch: one name per tensor.
+Sample = TypedDict("Sample", {
+    C.INPUT_IDS: torch.Tensor,                      # [T]
+    C.LOSS_MASK: torch.Tensor,                      # [T]
+    C.HIDDEN_STATE: torch.Tensor,                   # [T, n * H] (concat=True)
+    "hidden_parts": list,                           # n x [T, H] (concat=False: collate writes them in place)
+    C.FINAL_HIDDEN: torch.Tensor,                   # [T, H]
+    C.TARGET_ARGMAX: torch.Tensor,                  # [T] (dumps that record it)
+    C.scale_key(C.HIDDEN_STATE): list,              # n x [T] float32 (fp8 states left quantized)
+    C.scale_key(C.FINAL_HIDDEN): torch.Tensor,      # [T] float32
+}, total=False)
 
-def standardize_data_v1(sample: dict, manifest: DumpManifest, source: str = "sample", concat: bool = True) -> dict:
+
+def standardize_data_v1(sample: dict, manifest: DumpManifest, source: str = "sample", concat: bool = True) -> Sample:
     """sample: `input_ids [T]`, `loss_mask [T]`, `hidden_states.<k> [T, H]` per captured k, `final_hidden [T, H]`.
 
     Returns `input_ids [T]`, `loss_mask [T]`, `hidden_state [T, n*H]` (ascending HF index), `final_hidden [T, H]`
