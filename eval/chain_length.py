@@ -11,11 +11,14 @@ measured, neither assumed:
   positions, and the baseline's one-token greedy step.
 
 One round of a chain of k (eval/speculative.py) costs
-    round(k) = head + (k - 1) * step + verify(k + 1) + sum_n P_k(n) * extend(n + 1)
+    round(k) = head + (k - 1) * step + verify(k + 1) + sum_n P_k(n) * extend(n + 1) + overhead
 where P_k(n) is the replay's probability that a round accepts n drafts; it yields tau_k tokens. Decoding then runs
 at tau_k / round(k) tokens per second against 1 / greedy for the target alone, so the predicted decode speedup is
     speedup(k) = tau_k * greedy / round(k),
-and the choice is the k that maximises it. Prefill (the prompt's forward, and the drafter's over the prompt) is paid
+and the choice is the k that maximises it. `overhead` and `greedy` come from a short real run of each decoder on
+the same prompt (`calibrate`): the pieces, timed one by one after the prompt, missed what the loops themselves cost
+(their Python, the context growing as they decode): a chain of 2's rounds ran 9% over their pieces and the greedy
+loop 4% over its step on the 2-core CPU (bench/quality.md), which made the prediction that much optimistic. Prefill (the prompt's forward, and the drafter's over the prompt) is paid
 once per prompt by both decoders and is left out of the choice; the whole-run prediction adds it back from the
 prompts' lengths (`predict_run`), so it is compared against the same wall clock `eagle3 eval` reports.
 """
@@ -134,11 +137,43 @@ def measure_costs(dec, prompt: list[int], max_steps: int, repeats: int = 7) -> d
     return costs
 
 
-def round_seconds(costs: dict, k: int, rates: list[float]) -> float:
-    """Predicted seconds of one round of a chain of k (module docstring)."""
-    p = accepted_distribution(rates[:k])
+def accepted_shares(stats) -> list[float]:
+    """The share of a decode's rounds (train/acceptance.py ChainStats) that accepted exactly n drafts, n = 0..K."""
+    at_least = [stats.verify_steps, *stats.accepted, 0]  # rounds that accepted >= n drafts
+    return [(at_least[n] - at_least[n + 1]) / max(stats.verify_steps, 1) for n in range(stats.draft_steps + 1)]
+
+
+def pieces_seconds(costs: dict, k: int, p: list[float]) -> float:
+    """One round of a chain of k from its measured pieces, p[n] the share of rounds accepting n drafts."""
     ext = sum(pn * costs["extend"][n] for n, pn in enumerate(p))  # n accepted -> extend over n + 1 positions
     return costs["head"] + (k - 1) * costs["step"] + costs["verify"][k] + ext
+
+
+def round_seconds(costs: dict, k: int, rates: list[float]) -> float:
+    """Predicted seconds of one round of a chain of k (module docstring)."""
+    return pieces_seconds(costs, k, accepted_distribution(rates[:k])) + costs.get("round_overhead", 0.0)
+
+
+@torch.no_grad()
+def calibrate(dec, prompt: list[int], costs: dict, k: int, new_tokens: int = 32) -> None:
+    """Time a short real run of each decoder on `prompt` (greedy, and chain drafting with k drafts) and set
+    costs["greedy"] to the greedy loop's own seconds per token and costs["round_overhead"] to what a real round
+    took beyond its pieces (the pieces' values are kept as costs["greedy_step"] and the run's as
+    costs["calibration"])."""
+    sync = _timer(dec.device)
+    sync()
+    t0 = time.perf_counter()
+    toks, _ = dec.greedy(prompt, new_tokens)
+    sync()
+    greedy_loop = (time.perf_counter() - t0 - costs["prefill_target"]) / max(len(toks) - 1, 1)
+    t0 = time.perf_counter()
+    _, st = dec.generate(prompt, new_tokens, k)
+    sync()
+    spec = time.perf_counter() - t0 - costs["prefill_target"] - costs["prefill_drafter"]
+    overhead = spec / max(st.verify_steps, 1) - pieces_seconds(costs, k, accepted_shares(st))
+    costs["greedy_step"], costs["greedy"], costs["round_overhead"] = costs["greedy"], greedy_loop, overhead
+    costs["calibration"] = {"draft_steps": k, "new_tokens": new_tokens, "greedy_loop_s": greedy_loop,
+                            "rounds": st.verify_steps, "spec_decode_s": spec, "round_overhead_s": overhead}
 
 
 def predict(costs: dict, replay: dict[int, dict]) -> dict[int, dict]:

@@ -41,6 +41,19 @@ def test_round_seconds_and_prediction_by_hand():
     assert 4 not in CL.predict(COSTS, {**replay, 4: {"accept_len": 1.8, "rate_j": rates + [0.2]}})
 
 
+def test_calibration_terms_by_hand():
+    from eagle3.train.acceptance import ChainStats
+    st = ChainStats(3)
+    for n in [0, 2, 3, 0, 1, 0, 3]:  # rounds accepting n drafts
+        st.add_round(n)
+    assert CL.accepted_shares(st) == pytest.approx([3 / 7, 1 / 7, 1 / 7, 2 / 7])
+    # a measured loop overhead is paid by every round, on top of its pieces
+    rates = [0.5, 0.4, 0.3]
+    assert CL.round_seconds({**COSTS, "round_overhead": 2.5}, 2, rates) == pytest.approx(
+        CL.round_seconds(COSTS, 2, rates) + 2.5)
+    assert CL.pieces_seconds(COSTS, 2, [0.5, 0.3, 0.2]) == pytest.approx(CL.round_seconds(COSTS, 2, rates))
+
+
 def test_choose_prefers_the_shorter_chain_on_a_tie():
     assert CL.choose({1: {"decode_speedup": 1.2}, 2: {"decode_speedup": 1.2}, 3: {"decode_speedup": 1.1}}) == 1
 
@@ -122,6 +135,9 @@ def test_eval_auto_measures_predicts_and_chooses(best_export, tmp_path):
     costs = c["costs_s"]
     assert len(costs["verify"]) == len(costs["extend"]) == 5
     assert all(x > 0 for x in [costs["greedy"], costs["head"], costs["step"], *costs["verify"], *costs["extend"]])
+    cal = costs["calibration"]  # a short real run of each decoder set the greedy step and the rounds' overhead
+    assert cal["rounds"] > 0 and costs["greedy"] == cal["greedy_loop_s"] > 0 and costs["greedy_step"] > 0
+    assert costs["round_overhead"] == cal["round_overhead_s"] and math.isfinite(cal["round_overhead_s"])
     assert math.isfinite(c["predicted_speedup"]) and c["predicted_speedup"] > 0
     assert len(rep["acceptance_rate_per_position"]) == c["chosen"]
     written = json.load(open(tmp_path / "eval" / "eval.json"))
