@@ -249,7 +249,6 @@ def _prepare_out_dir(out: str, manifest: DumpManifest, plan_hash: str, shard_met
 
 
 def run_dump(cfg: DumpConfig) -> DumpManifest:
-
     # Everything that can be refused is refused before the model loads (the arguments: DumpConfig itself).
     dtype = T.DTYPES[cfg.dtype]
     info = T.target_info(cfg.target, full_weights=cfg.full_weights_digest)
