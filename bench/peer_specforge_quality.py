@@ -269,10 +269,11 @@ def build_draft(sf, drafter, embed: torch.Tensor, d2t: torch.Tensor, t2d: torch.
 
 
 def specforge_inputs(sf, batch, head: torch.Tensor, device, dtype) -> dict:
-    """Our collated batch (data/batch.py Batch) -> OnlineEagle3Model.forward kwargs, as SpecForge's own offline pipeline builds them for
-    the same conversations (normalize_offline_sample, zero-padding collator, TargetHead.preprocess, compact
-    teacher): loss_mask of each sample's last real token set to 0; input_ids and the target hidden state shifted
-    left by one token over the padded batch (zero at the end); loss_mask left unshifted, [B, T, 1]."""
+    """Our collated batch (data/batch.py Batch) -> OnlineEagle3Model.forward kwargs, as SpecForge's own offline
+    pipeline builds them for the same conversations (normalize_offline_sample, zero-padding collator,
+    TargetHead.preprocess, compact teacher): loss_mask of each sample's last real token set to 0; input_ids and
+    the target hidden state shifted left by one token over the padded batch (zero at the end); loss_mask left
+    unshifted, [B, T, 1]."""
     am = batch.attention_mask.long()
     lengths = am.sum(1)
     loss_mask = batch.loss_mask.long().clone()

@@ -27,11 +27,14 @@ DUMP_FORWARD_TOKENS, NODE_GPUS = 65_536, 8
 TORCHSPEC_GPU_H = 32 * 28  # lightseekorg's Kimi recipe: 16 + 16 H200 for ~28 hours (the figures)
 
 
+HEADER = ["sample tokens", "tokens (all samples)", "offline disk bf16 / fp8 (formula)", "streamed disk (fp8)",
+          "dump tok/s per 8-GPU node (projected)", "dump GPUs per trainer GPU", "dump GPU-h (projected)",
+          "train GPU-h, one pass (from measured tok/s)", "total GPU-h vs TorchSpec's 896"]
+LAYOUTS = ("llama + fc_norm + norm_output", "mla + fc_norm + norm_output")
+
+
 def table(samples: int, spool_tb: float) -> list[str]:
-    rows = ["| sample tokens | tokens (all samples) | offline disk bf16 / fp8 (formula) | streamed disk (fp8) | dump tok/s "
-            "per 8-GPU node (projected) | dump GPUs per trainer GPU | dump GPU-h (projected) | train GPU-h, one pass "
-            "(from measured tok/s) | total GPU-h vs TorchSpec's 896 |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for L in (2048, 4096):
         tokens = samples * L
         bf16 = tokens * C.bytes_per_token(AUX + 1, H, 2) / 1e12
@@ -39,15 +42,17 @@ def table(samples: int, spool_tb: float) -> list[str]:
         node = DUMP_FORWARD_TOKENS / (DUMP_FORWARD_MS[L] / 1e3)
         per_gpu = node / NODE_GPUS
         dump_h = tokens / per_gpu / 3600
-        cells = []
-        for layout in ("llama + fc_norm + norm_output", "mla + fc_norm + norm_output"):
-            train = TRAIN_TOK_S[(layout, L)]
-            train_h = tokens / train / 3600
-            cells.append((layout.split()[0], train / per_gpu, train_h, dump_h + train_h))
-        rows.append(f"| {L:,} | {tokens / 1e9:.2f} B | {bf16:,.1f} TB / {fp8:,.1f} TB | <= {spool_tb:g} TB budget + one "
-                    f"shard per writer | {node:,.0f} | " + " / ".join(f"{r:.1f} ({n})" for n, r, _, _ in cells)
-                    + f" | {dump_h:,.0f} | " + " / ".join(f"{h:,.0f} ({n})" for n, _, h, _ in cells)
-                    + " | " + " / ".join(f"{t:,.0f} ({t / TORCHSPEC_GPU_H:.2f}x) ({n})" for n, _, _, t in cells) + " |")
+        ratio, train_h, total = [], [], []
+        for layout in LAYOUTS:
+            name, rate = layout.split()[0], TRAIN_TOK_S[(layout, L)]
+            h = tokens / rate / 3600
+            ratio.append(f"{rate / per_gpu:.1f} ({name})")
+            train_h.append(f"{h:,.0f} ({name})")
+            total.append(f"{dump_h + h:,.0f} ({(dump_h + h) / TORCHSPEC_GPU_H:.2f}x) ({name})")
+        cells = [f"{L:,}", f"{tokens / 1e9:.2f} B", f"{bf16:,.1f} TB / {fp8:,.1f} TB",
+                 f"<= {spool_tb:g} TB budget + one shard per writer", f"{node:,.0f}", " / ".join(ratio),
+                 f"{dump_h:,.0f}", " / ".join(train_h), " / ".join(total)]
+        rows.append("| " + " | ".join(cells) + " |")
     return rows
 
 

@@ -10,8 +10,9 @@ dumps holding the same record of the same data file, are refused.
 A dump stored in fp8 (docs/contract.md §3) is dequantized as it is read (`q * scale`, in float32, then the dtype
 asked for: by default the dump's own --dtype), so consumers see the same tensors as from a dump stored in dtype.
 With `fp8_in_batch=True` the states stay fp8 through `collate` (data/batch.py) instead (a quarter of bf16's bytes to
-copy and ship) and `Batch.dequantized` does the same float32 multiply where the batch is used: on the GPU that costs nothing, while
-the readers' CPU conversion limits them to ~1.3x the trainer at the Kimi shape (bench/RESULTS.md, fp8 storage).
+copy and ship) and `Batch.dequantized` does the same float32 multiply where the batch is used: on the GPU that costs
+nothing, while the readers' CPU conversion limits them to ~1.3x the trainer at the Kimi shape (bench/RESULTS.md, fp8
+storage).
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ at tau_k / round(k) tokens per second against 1 / greedy for the target alone, s
 and the choice is the k that maximises it. `overhead` and `greedy` come from a short real run of each decoder on
 the same prompt (`calibrate`): the pieces, timed one by one after the prompt, missed what the loops themselves cost
 (their Python, the context growing as they decode): a chain of 2's rounds ran 9% over their pieces and the greedy
-loop 4% over its step on the 2-core CPU (bench/quality.md), which made the prediction that much optimistic. Prefill (the prompt's forward, and the drafter's over the prompt) is paid
-once per prompt by both decoders and is left out of the choice; the whole-run prediction adds it back from the
-prompts' lengths (`predict_run`), so it is compared against the same wall clock `eagle3 eval` reports.
+loop 4% over its step on the 2-core CPU (bench/quality.md), which made the prediction that much optimistic.
+Prefill (the prompt's forward, and the drafter's over the prompt) is paid once per prompt by both decoders and is
+left out of the choice; the whole-run prediction adds it back from the prompts' lengths (`predict_run`), so it is
+compared against the same wall clock `eagle3 eval` reports.
 """
 
 from __future__ import annotations

@@ -280,7 +280,7 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
             {k: v for k, v in C.target_identity(prov.target).items() if k in ("target.config_sha256",
                                                                           "target.weights_sha256")}
         C.require_same_capture(theirs, {k: mine[k] for k in theirs}, f"the export {export_dir} (trained for)",
-                             f"--target {target_dir}")
+                               f"--target {target_dir}")
     drafter_for = export[0]["target_hidden_size"]
     if drafter_for != info.hidden_size:  # fc would not fit the captured states
         raise ContractError(f"{export_dir}/config.json: target_hidden_size {drafter_for}, but the target "

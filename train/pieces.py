@@ -1,11 +1,11 @@
 """One process, several pieces: sequence parallelism's split (train/sequence_parallel.py) without a group.
 
-The same split without a group: one GPU takes a row longer than it holds in `pieces` contiguous pieces, one after
-another, each forward followed by its own backward, so only one piece's activations exist at a time. A piece's
-queries also see the step-0 keys of every earlier piece (the prefix): those are computed first without autograd
-(the projection alone, ~0.4% of the step at the Kimi shape) and handed to later pieces as leaves, whose gradients
-are then added to the earlier piece's own keys when that piece runs. Pieces run last to first, so each piece's
-keys have received every later query's gradient by then. The gradient is the unsplit row's (float64 tests).
+One GPU takes a row longer than it holds in `pieces` contiguous pieces, one after another, each forward followed by
+its own backward, so only one piece's activations exist at a time. A piece's queries also see the step-0 keys of
+every earlier piece (the prefix): those are computed first without autograd (the projection alone, ~0.4% of the step
+at the Kimi shape) and handed to later pieces as leaves, whose gradients are then added to the earlier piece's own
+keys when that piece runs. Pieces run last to first, so each piece's keys have received every later query's gradient
+by then. The gradient is the unsplit row's (float64 tests).
 """
 
 from __future__ import annotations
