@@ -30,6 +30,7 @@ from eagle3 import contract as C
 from eagle3.contract import ContractError, DumpManifest
 from eagle3.data.standardize import Sample, standardize_data_v1
 from eagle3.dump.shards import dequantize_fp8, read_shard_metadata
+from eagle3.heldout import SPLIT_SEED, is_held_out
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class DumpSet:
                     with safe_open(path, "pt") as f:
                         offsets = f.get_tensor(C.SAMPLE_OFFSETS).tolist()
                         index = f.get_tensor(C.SAMPLE_INDEX).tolist()
-                        plans.add(_check_shard(path, si, sorted(f.keys()), m, os.path.join(d, C.MANIFEST_FILE)))
+                        plans.add(check_shard(path, si, sorted(f.keys()), m, os.path.join(d, C.MANIFEST_FILE)))
                 except ContractError:
                     raise
                 except Exception as e:  # noqa: BLE001 - safetensors' errors, a missing tensor: not a readable shard
@@ -105,6 +106,17 @@ class DumpSet:
         # standardized(): fp8 states and their scales as stored, for collate + Batch.dequantized (module docstring)
         self.fp8_in_batch = fp8_in_batch
         self._refuse_shared_samples()
+
+    @classmethod
+    def streamed(cls, path: str, manifest: DumpManifest, refs: list[SampleRef]) -> "DumpSet":
+        """A DumpSet over a spool whose shards arrive while it is read (data/stream.py verifies each before its
+        samples are read, filling in `manifest.shards`): the same reading path as any dump's."""
+        self = cls.__new__(cls)
+        self.dirs, self.manifests, self.refs, self.legacy = [path], [manifest], refs, []
+        self._handles = {}
+        self._deq_dtype = [getattr(torch, manifest.dtype) if manifest.storage == C.STORAGE_FP8 else None]
+        self.fp8_in_batch = False
+        return self
 
     def _refuse_shared_samples(self) -> None:
         """Two dumps must not hold the same sample: training would count it twice. A sample is named by its data
@@ -191,7 +203,7 @@ class DumpSet:
         return state
 
 
-def _check_shard(path: str, position: int, keys: list[str], m: DumpManifest, manifest_path: str) -> str | None:
+def check_shard(path: str, position: int, keys: list[str], m: DumpManifest, manifest_path: str) -> str | None:
     """The shard's own metadata and tensor names against the manifest listing it; returns its plan hash (None
     for a legacy shard).
 
@@ -235,24 +247,6 @@ def _sample_key(m: DumpManifest):
         r = files[bisect.bisect_right(starts, si) - 1]
         return r["sha256"], si - r["first_sample_index"]
     return key
-
-
-def _mix64(x: int) -> int:
-    """splitmix64: a fixed, platform-independent hash (Python's hash() is salted per process)."""
-    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return x ^ (x >> 31)
-
-
-def is_held_out(sample_index: int, fraction: float, seed: int) -> bool:
-    """Deterministic by (seed, sample_index): a source sample is on the same side in every dump and every run."""
-    return _mix64(_mix64(seed) ^ sample_index) < fraction * 2.0**64
-
-
-# The held-out split's defaults (eagle3 train and eagle3 vocab take them from here)
-HELD_OUT_FRACTION = 0.02
-SPLIT_SEED = 0
 
 
 def split(refs: list[SampleRef], held_out_fraction: float,

@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from eagle3 import contract as C
-from eagle3.data.dumps import HELD_OUT_FRACTION, SPLIT_SEED, DumpSet, SampleRef, split
+from eagle3.data.dumps import DumpSet, SampleRef, split
+from eagle3.heldout import HELD_OUT_FRACTION, SPLIT_SEED
 from eagle3.options import opt
 from eagle3.vocab_map import vocab_map, vocab_map_problem
 
@@ -57,8 +58,12 @@ def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
     return float(counts[t2d].sum()) / total if total else 0.0
 
 
-def build_vocab(dumps: DumpSet, refs: list[SampleRef], n: int, progress: bool = False) -> dict:
-    counts = count_tokens(dumps, refs, progress=progress)
+def build_vocab(dumps: DumpSet, refs: list[SampleRef], n: int, progress: bool = False,
+                counts: torch.Tensor | None = None) -> dict:
+    """The map from the `refs` samples' loss-masked token counts (`counts`, when the caller has them: a spool counts
+    its plan's tokens before any shard is written, data/stream.py)."""
+    if counts is None:
+        counts = count_tokens(dumps, refs, progress=progress)
     if int(counts.sum()) == 0:  # a vocabulary of nothing, and a training run with nothing to learn
         raise C.ContractError(f"{', '.join(dumps.dirs) if hasattr(dumps, 'dirs') else 'the dumps'}: no token of "
                               f"the {len(refs)} samples counted is in the loss (every loss_mask is 0): nothing to "

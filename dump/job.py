@@ -3,7 +3,11 @@
 World = DP x TP. Ranks [d*tp, (d+1)*tp) form TP group d (transformers shards the replica over them); TP group d
 dumps shards j with j % dp == d, and only its first rank writes. The shard plan depends on the data and the
 arguments only (never on dp, tp or batch size), so reruns, resumed runs and runs on other world sizes produce the
-same dataset.
+same dataset. Several jobs (torchrun worlds, on several nodes sharing the filesystem) split one dump with
+--num-jobs N --job-index i: job i takes the shards j with j % N == i, and its TP groups deal those out as above.
+
+With --spool-budget the dump is a spool (dump/spool.py): written on a byte budget while `eagle3 train --follow`
+trains on it and frees what it consumed.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from eagle3.contract import CaptureSpec, ContractError, DumpManifest, parse_indi
 from eagle3.conversations.formats import check_distinct_data, data_sha256
 from eagle3.conversations.masking import load_samples
 from eagle3.dump import shards as S
+from eagle3.dump import spool as SP
+from eagle3.heldout import HELD_OUT_FRACTION, SPLIT_SEED, is_held_out
 from eagle3.options import FULL_WEIGHTS_DIGEST_HELP, TRUST_REMOTE_CODE_HELP, opt
 from eagle3.records import data_sources
 from eagle3.target import load as T
@@ -65,6 +71,14 @@ class DumpConfig:
                                           "unless that target is this one")
     trust_remote_code: bool = opt(False, TRUST_REMOTE_CODE_HELP)
     full_weights_digest: bool = opt(False, FULL_WEIGHTS_DIGEST_HELP)  # target/fingerprint.py
+    spool_budget: str | None = opt(None, "write the dump as a spool that `eagle3 train --follow --delete-consumed` "
+                                         "trains on while it is written: pause whenever the shards not yet consumed "
+                                         "would pass this size (e.g. 2TB, 500GB); held-out shards stay on disk")
+    held_out_fraction: float = opt(HELD_OUT_FRACTION, "--spool-budget: share of samples (by sample_index, as "
+                                                      "`eagle3 train` splits) written to held-out shards kept on disk")
+    num_jobs: int = opt(1, "jobs (torchrun worlds, e.g. one per node) writing this one dump: each takes every "
+                           "N-th shard")
+    job_index: int = opt(0, "this job's index among --num-jobs (0..N-1)")
     progress: bool = opt(True, "no progress bar")  # the help of its switch, --no-progress
     stop_after_shards: int | None = opt(None, "testing aid: exit after writing this many shards (simulates a kill)",
                                         hidden=True)
@@ -84,6 +98,14 @@ class DumpConfig:
         positive("--num-samples", self.num_samples, optional=True)
         positive("--shard-size-mb", self.shard_size_mb, kind=(int, float))
         positive("--stop-after-shards", self.stop_after_shards, optional=True)
+        positive("--num-jobs", self.num_jobs)
+        if not (isinstance(self.job_index, int) and 0 <= self.job_index < self.num_jobs):
+            raise ValueError(f"--job-index {self.job_index!r}: must be in 0..{self.num_jobs - 1} (--num-jobs "
+                             f"{self.num_jobs})")
+        if self.spool_budget is not None:
+            SP.parse_size(self.spool_budget)  # ValueError naming the text
+        if not 0.0 <= self.held_out_fraction < 1.0:
+            raise ValueError(f"--held-out-fraction {self.held_out_fraction!r}: must be in [0, 1)")
         if self.layers is not None and not self.layers:
             raise ContractError("--layers names no index (leave it out for the default capture set)")
         if self.dtype not in T.DTYPES:
@@ -93,6 +115,14 @@ class DumpConfig:
         if isinstance(self.data, (str, os.PathLike)) or not self.data:
             raise ValueError(f"--data: expected a list of data files, got {self.data!r}")
         self.data = [os.fspath(p) for p in self.data]  # recorded in dump_config.json
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return None if self.spool_budget is None else SP.parse_size(self.spool_budget)
+
+    def owns(self, j: int, dp: int, dp_rank: int) -> bool:
+        """Shard j is this job's, and this TP group's within the job (module docstring)."""
+        return j % self.num_jobs == self.job_index and (j // self.num_jobs) % dp == dp_rank
 
 
 def plan_shards(lengths: list[int], bytes_per_token: int, shard_bytes: int) -> list[list[int]]:
@@ -141,6 +171,7 @@ class _Writer:
         self.out, self.indices, self.meta, self.device = out, indices, meta, device
         self.q: queue.Queue = queue.Queue(maxsize=1)
         self.error: BaseException | None = None
+        self.error_shard: int | None = None
         self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(threads)]
         for t in self.threads:
             t.start()
@@ -155,7 +186,7 @@ class _Writer:
                         ev.synchronize()
                     S.write_shard(self.out, item[0], item[1], self.indices, self.meta)
                 except BaseException as e:  # surfaced on the main thread by put()/close()
-                    self.error = e
+                    self.error, self.error_shard = e, item[0]
 
     def put(self, j: int, samples: list[dict], events=()):
         self._raise()
@@ -170,7 +201,9 @@ class _Writer:
 
     def _raise(self):
         if self.error is not None:
-            raise RuntimeError(f"writing a shard failed: {self.error}") from self.error
+            err = RuntimeError(f"writing {S.shard_name(self.error_shard)} failed: {self.error}")
+            err.shard = self.error_shard  # what a spool's failure record names (dump/spool.py)
+            raise err from self.error
 
 
 class _ToHost:
@@ -194,6 +227,14 @@ class _ToHost:
             ev = torch.cuda.Event()
             ev.record(self.stream)
         return host, ev
+
+
+def finished_shard(out: str, j: int, shard_meta: dict, plan_hash: str):
+    """Shard j's record if it is finished: written and checked (dump/shards.finished_shard), or trained on and
+    deleted by a spool's follower (its sidecar stays)."""
+    if SP.is_consumed(out, j, plan_hash):
+        return S.sidecar_record(out, j)
+    return S.finished_shard(out, j, shard_meta)
 
 
 def _prepare_out_dir(out: str, manifest: DumpManifest, plan_hash: str, shard_meta: dict, n_shards: int,
@@ -236,12 +277,17 @@ def _prepare_out_dir(out: str, manifest: DumpManifest, plan_hash: str, shard_met
                     f"resuming needs the same --data/--max-length/--num-samples/--dtype/--storage/--shard-size-mb "
                     "(and --no-record-argmax for a dump started without target_argmax), or use a new --out"), set()
     try:
-        finished = {j for j in range(n_shards) if S.finished_shard(out, j, shard_meta)}
+        finished = {j for j in range(n_shards) if finished_shard(out, j, shard_meta, plan_hash)}
     except ContractError as e:
         return str(e), set()
     if old is None:
         atomic_write_text(path, json.dumps(record, indent=1))
-    stale = S.remove_stale_tmp(out)  # no writer of this dump runs yet: the other ranks wait for this answer
+    # No writer of this job runs yet (its other ranks wait for this answer); other jobs' may: only this job's shards
+    stale = S.remove_stale_tmp(out, None if cfg.num_jobs == 1 else
+                               {j for j in range(n_shards) if j % cfg.num_jobs == cfg.job_index})
+    failed = os.path.join(out, SP.failed_name(cfg.job_index))
+    if os.path.exists(failed):  # this job's earlier failure: a follower waiting on it stops at once otherwise
+        os.remove(failed)
     if stale:
         log(f"[dump] removed {len(stale)} temporary files a killed run left in {out}: {stale[:4]}"
             f"{' ...' if len(stale) > 4 else ''}")
@@ -294,74 +340,108 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
     bytes_per_token = C.bytes_per_token(len(indices) + 1, info.hidden_size, dtype.itemsize, cfg.storage,
                                         cfg.record_argmax)
     lengths = [len(s.input_ids) for s in samples]
-    plan = plan_shards(lengths, bytes_per_token, int(cfg.shard_size_mb * 2**20))
+    shard_bytes = int(cfg.shard_size_mb * 2**20)
+    budget = cfg.budget_bytes
+    if budget is None:
+        plan, n_held = plan_shards(lengths, bytes_per_token, shard_bytes), 0
+    else:  # a spool: the held-out samples' shards first (dump/spool.py)
+        held = [is_held_out(s.sample_index, cfg.held_out_fraction, SPLIT_SEED) for s in samples]
+        plan, n_held = SP.plan_spool([i for i, h in enumerate(held) if h], [i for i, h in enumerate(held) if not h],
+                                     lengths, bytes_per_token, shard_bytes, plan_shards)
     plan_hash = C.sha256_bytes(C.canonical_json(
         [[samples[i].sample_index for i in sh] for sh in plan] + [lengths, cfg.dtype]
         + ([C.TARGET_ARGMAX] if cfg.record_argmax else [])  # without it: the same hash as dumps made before it
-        + ([cfg.storage] if cfg.storage != C.STORAGE_DTYPE else [])))  # likewise
+        + ([cfg.storage] if cfg.storage != C.STORAGE_DTYPE else [])  # likewise
+        + (["spool", cfg.held_out_fraction, SPLIT_SEED] if budget is not None else [])))
+    # refused here (a budget too small for one window) before anything is written
+    spool = None if budget is None else SP.spool_record(
+        manifest, plan_hash, plan, [s.sample_index for s in samples], lengths, n_held, bytes_per_token, budget,
+        cfg.held_out_fraction, SPLIT_SEED)
 
     shard_meta = C.shard_identity(manifest, plan_hash)
     err, finished = D.broadcast_object(_prepare_out_dir(cfg.out, manifest, plan_hash, shard_meta, len(plan), cfg, log)
                                        if world.is_main else None)
     if err:
         raise ContractError(err)
-    mine = [j for j in range(len(plan)) if j % dp == dp_rank]
+    if spool is not None:
+        def publish():
+            try:
+                SP.write_spool(cfg.out, spool, samples)
+            except ContractError as e:
+                return str(e)
+        err = D.broadcast_object(publish() if world.is_main else None)
+        if err:
+            raise ContractError(err)
+        log(f"[dump] spool: budget {budget:,} B; {n_held} held-out shards stay, {len(plan) - n_held} training "
+            f"shards in {len(spool['windows'])} windows")
+    mine = [j for j in range(len(plan)) if cfg.owns(j, dp, dp_rank)]
     todo = [j for j in mine if j not in finished]
     log(f"[dump] {len(samples)} samples, {sum(lengths)} tokens in {len(plan)} shards; "
         f"{len(finished)} already finished in {cfg.out}")
 
-    if todo:
-        model = T.load_target(cfg.target, dtype, world.device, tp_size=tp, dp_size=dp)
-        backbone = T.find_backbone(model, info.num_hidden_layers)
-        device = next(backbone.module.parameters()).device
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        head = model.get_output_embeddings() if cfg.record_argmax else None
-        to_host = _ToHost(device)
-        with HiddenStateCapture(backbone, indices, head=head) as cap:
-            probe = torch.as_tensor([samples[0].input_ids[:8]], device=device)
-            verify_full_width(cap.run(probe, torch.ones_like(probe)), info.hidden_size, tuple(probe.shape))
-            writer = _Writer(cfg.out, indices, shard_meta, device) if writer_rank else None
-            bar = tqdm(total=sum(lengths[i] for j in mine for i in plan[j]), unit="tok", unit_scale=True,
-                       desc=f"dump dp{dp_rank}", disable=not (cfg.progress and world.is_main), dynamic_ncols=True)
-            bar.update(sum(lengths[i] for j in mine if j in finished for i in plan[j]))
-            t0, done_tokens = time.perf_counter(), 0
-            for n_written, j in enumerate(todo):
-                if cfg.stop_after_shards is not None and n_written >= cfg.stop_after_shards:
-                    break
-                collected, events = [], []
-                for batch in group_by_length(plan[j], lengths, cfg.batch_tokens):
-                    ids, mask = pad_batch([samples[i].input_ids for i in batch], pad_id)
-                    states = cap.run(ids.to(device), mask.to(device))
-                    if cfg.storage == C.STORAGE_FP8:
-                        states = _quantize_states(states, indices)  # on the device: a quarter of the bytes to copy
+    # a spool's follower must not wait for shards a failed job will never write: it reads the failure there
+    with SP.failure_recorded(cfg.out, cfg.job_index, on=spool is not None and writer_rank) as failure:
+        if todo:
+            model = T.load_target(cfg.target, dtype, world.device, tp_size=tp, dp_size=dp)
+            backbone = T.find_backbone(model, info.num_hidden_layers)
+            device = next(backbone.module.parameters()).device
+            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+            head = model.get_output_embeddings() if cfg.record_argmax else None
+            to_host = _ToHost(device)
+            with HiddenStateCapture(backbone, indices, head=head) as cap:
+                probe = torch.as_tensor([samples[0].input_ids[:8]], device=device)
+                verify_full_width(cap.run(probe, torch.ones_like(probe)), info.hidden_size, tuple(probe.shape))
+                writer = _Writer(cfg.out, indices, shard_meta, device) if writer_rank else None
+                bar = tqdm(total=sum(lengths[i] for j in mine for i in plan[j]), unit="tok", unit_scale=True,
+                           desc=f"dump dp{dp_rank}", disable=not (cfg.progress and world.is_main), dynamic_ncols=True)
+                bar.update(sum(lengths[i] for j in mine if j in finished for i in plan[j]))
+                t0, done_tokens = time.perf_counter(), 0
+                gate = SP.Gate(cfg.out, spool, log) if spool is not None else None
+                for n_written, j in enumerate(todo):
+                    if cfg.stop_after_shards is not None and n_written >= cfg.stop_after_shards:
+                        break
+                    if gate is not None:
+                        gate.wait(j, writer._raise if writer else None)  # a failed write must not wait for room
+                    failure.shard = j
+                    collected, events = [], []
+                    for batch in group_by_length(plan[j], lengths, cfg.batch_tokens):
+                        ids, mask = pad_batch([samples[i].input_ids for i in batch], pad_id)
+                        states = cap.run(ids.to(device), mask.to(device))
+                        if cfg.storage == C.STORAGE_FP8:
+                            states = _quantize_states(states, indices)  # on the device: a quarter of the bytes to copy
+                        if writer_rank:
+                            host, ev = to_host(states)  # async on CUDA: the next forward starts at once
+                            events += [ev] if ev is not None else []
+                            for b, i in enumerate(batch):
+                                n = lengths[i]
+                                # the states (and fp8 scales, target argmax) under their shard names
+                                rec = {k: v[b, :n] for k, v in host.items()}
+                                rec.update(sample_index=samples[i].sample_index, input_ids=samples[i].input_ids,
+                                           loss_mask=samples[i].loss_mask)
+                                collected.append(rec)
+                        del states
+                        done_tokens += sum(lengths[i] for i in batch)
+                        bar.update(sum(lengths[i] for i in batch))
+                        bar.set_postfix(tok_s=f"{done_tokens / (time.perf_counter() - t0):,.0f}")
                     if writer_rank:
-                        host, ev = to_host(states)  # async on CUDA: the next forward starts at once
-                        events += [ev] if ev is not None else []
-                        for b, i in enumerate(batch):
-                            n = lengths[i]
-                            # the states (and fp8 scales, target argmax) under their shard names
-                            rec = {k: v[b, :n] for k, v in host.items()}
-                            rec.update(sample_index=samples[i].sample_index, input_ids=samples[i].input_ids,
-                                       loss_mask=samples[i].loss_mask)
-                            collected.append(rec)
-                    del states
-                    done_tokens += sum(lengths[i] for i in batch)
-                    bar.update(sum(lengths[i] for i in batch))
-                    bar.set_postfix(tok_s=f"{done_tokens / (time.perf_counter() - t0):,.0f}")
-                if writer_rank:
-                    collected.sort(key=lambda r: r["sample_index"])
-                    writer.put(j, collected, events)
-            if writer:
-                writer.close()
-            bar.close()
-        if cfg.stop_after_shards is not None and len(todo) > cfg.stop_after_shards:
-            D.barrier()
-            raise SystemExit(f"stopped after {cfg.stop_after_shards} shards (--stop-after-shards)")
+                        collected.sort(key=lambda r: r["sample_index"])
+                        writer.put(j, collected, events)
+                if writer:
+                    writer.close()
+                bar.close()
+            if cfg.stop_after_shards is not None and len(todo) > cfg.stop_after_shards:
+                D.barrier()
+                raise SystemExit(f"stopped after {cfg.stop_after_shards} shards (--stop-after-shards)")
 
     D.barrier()
     if world.is_main:
-        records = [S.finished_shard(cfg.out, j, shard_meta) for j in range(len(plan))]
+        records = [finished_shard(cfg.out, j, shard_meta, plan_hash) for j in range(len(plan))]
         missing = [S.shard_name(j) for j, r in enumerate(records) if r is None]
+        if missing and cfg.num_jobs > 1:  # whichever job finishes last finds every shard and writes the manifest
+            log(f"[dump] job {cfg.job_index}: its shards are written; {len(missing)} of other jobs remain "
+                f"({missing[:3]}{' ...' if len(missing) > 3 else ''}): the last job to finish writes {MANIFEST}")
+            D.barrier()
+            return manifest
         if missing:
             raise RuntimeError(f"{cfg.out}: shards {missing} were not written")
         manifest.shards = records

@@ -37,7 +37,8 @@ from eagle3.contract import ShardRecord
 
 SHARD_METADATA_KEY = C.SHARD_METADATA_KEY
 # What `tmp_name` makes of the files a dump writes (shards, sidecars, dump_config.json, manifest.json).
-_STALE_TMP = re.compile(r"^(shard-\d{5}\.(safetensors|json)|dump_config\.json|manifest\.json)\.tmp-\d+$")
+_STALE_TMP = re.compile(r"^(shard-(\d{5})\.(safetensors|json)|dump_config\.json|manifest\.json|spool\.json|"
+                        r"spool_tokens\.safetensors)\.tmp-\d+$")
 
 
 def shard_name(j: int) -> str:
@@ -48,10 +49,13 @@ def sidecar_name(j: int) -> str:
     return f"shard-{j:05d}.json"
 
 
-def remove_stale_tmp(out_dir: str) -> list[str]:
-    """Remove the temporary files a killed dump left in out_dir (only names this module writes); returns them.
-    Call it only while no writer of this dump runs."""
-    stale = sorted(n for n in os.listdir(out_dir) if _STALE_TMP.match(n))
+def remove_stale_tmp(out_dir: str, shards: set[int] | None = None) -> list[str]:
+    """Remove the temporary files a killed dump left in out_dir (only names the dump writes); returns them.
+    Call it only while no writer of them runs: with `shards` (one of several jobs), only those shards' files."""
+    def stale_name(n):
+        m = _STALE_TMP.match(n)
+        return m and (shards is None or (m.group(2) is not None and int(m.group(2)) in shards))
+    stale = sorted(n for n in os.listdir(out_dir) if stale_name(n))
     for n in stale:
         os.remove(os.path.join(out_dir, n))
     return stale
@@ -214,16 +218,23 @@ def read_shard_metadata(path: str) -> dict:
         raise C.ContractError(f"{path}: no readable eagle3 shard metadata ({type(e).__name__}: {e})") from e
 
 
+def sidecar_record(out_dir: str, j: int) -> ShardRecord | None:
+    """Shard j's sidecar (written after the shard file), or None."""
+    side = os.path.join(out_dir, sidecar_name(j))
+    if not os.path.isfile(side):
+        return None
+    with open(side) as f:
+        return ShardRecord(**json.load(f))
+
+
 def finished_shard(out_dir: str, j: int, expected: dict | None = None) -> ShardRecord | None:
     """The shard's record if it was completed (sidecar present and file size matches), else None. With
     `expected` (contract.shard_identity of the run resuming), a finished shard written for another dump -- other
     target, indices, tokenizer, dtype, data or plan, or by an eagle3 that recorded none of that -- is a
     ContractError: adopting it would mix two dumps, and deleting it would lose what someone else wrote."""
-    side = os.path.join(out_dir, sidecar_name(j))
-    if not os.path.isfile(side):
+    rec = sidecar_record(out_dir, j)
+    if rec is None:
         return None
-    with open(side) as f:
-        rec = ShardRecord(**json.load(f))
     path = os.path.join(out_dir, rec.file)
     if not os.path.isfile(path) or os.path.getsize(path) != rec.bytes:
         return None

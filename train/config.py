@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import yaml
 
 from eagle3 import presets
-from eagle3.data.dumps import HELD_OUT_FRACTION, SPLIT_SEED
+from eagle3.heldout import HELD_OUT_FRACTION, SPLIT_SEED
 from eagle3.model.kernels import CUDA_ATTENTION_KERNELS
 from eagle3.model.layers import checkpointing_mode
 from eagle3.options import add_options, given, opt
@@ -120,6 +120,13 @@ class TrainConfig:
                                "--sequence-parallel or ZeRO-3")
     attention_kernel: str = opt("auto", "fast path CUDA attention: auto | cudnn | flash | efficient (model/kernels.py)")
     teacher_chunk_tokens: int = opt(4096, "tokens per chunk of the teacher's lm_head (bounds its memory)")
+    # ---- streaming (data/stream.py)
+    follow: bool = opt(False, "train on a spool (eagle3 dump --spool-budget) while it is written: one pass, window "
+                              "by window in a fixed order, each shard verified before use; --dump names the spool")
+    delete_consumed: bool = opt(False, "--follow: free each window's shards once trained on and covered by a "
+                                       "checkpoint (saved at every window's end), so the dump can go on")
+    follow_timeout: float | None = opt(None, "--follow: stop with an error when a shard has not appeared after this "
+                                             "many seconds (default: wait as long as the dump takes)")
     # ---- run control and logging
     resume: bool = opt(False, "continue the run in --out from checkpoints/latest (same data order and split)")
     report_to: str = opt("none", "trackers, comma-separated: wandb, tensorboard (RUN/tensorboard/), mlflow "
@@ -187,6 +194,16 @@ class TrainConfig:
             # they would be recorded in run.json as if they had shaped the run
             raise ValueError(f"--lk-kl-scale / --lk-kl-decay set the KL weight of --loss lk-hybrid; --loss "
                              f"{self.loss} has none (scale {self.lk_kl_scale}, decay {self.lk_kl_decay} given)")
+        if self.follow:  # one pass over a spool: its windows fix the order (data/stream.py)
+            if len(self.dump) != 1:
+                raise ValueError(f"--follow trains on one spool: --dump names {len(self.dump)} directories")
+            if self.epochs != 1.0:
+                raise ValueError(f"--follow trains one pass over the spool as it is written: --epochs {self.epochs} "
+                                 "(for several passes, train on the finished dump without --follow)")
+        elif self.delete_consumed or self.follow_timeout is not None:
+            raise ValueError("--delete-consumed and --follow-timeout go with --follow")
+        if self.follow_timeout is not None and not self.follow_timeout > 0:
+            raise ValueError(f"--follow-timeout {self.follow_timeout!r} must be > 0")
         self.reporters()  # refuse an unknown tracker before anything starts
 
     def reporters(self) -> list[str]:

@@ -19,6 +19,7 @@ from eagle3 import dist as D
 from eagle3 import presets
 from eagle3.data.dumps import DumpSet, split
 from eagle3.data.loader import BatchPlan
+from eagle3.data.stream import Spool, WindowPlan
 from eagle3.data.vocab import build_vocab, describe_vocab, load_vocab, save_vocab
 from eagle3.model import OPTIONS, DrafterConfig, Eagle3Drafter
 from eagle3.records import METRICS_FILE, RUN_FILE, VOCAB_FILE, RunRecord
@@ -41,7 +42,7 @@ class Run:
     dumps: DumpSet
     train_refs: list
     held_refs: list
-    plan: BatchPlan
+    plan: BatchPlan | WindowPlan
     total: int                  # micro-steps of the whole run
     engine: Any                 # deepspeed.DeepSpeedEngine around a DrafterTrainStep
     sched: Any                  # its learning-rate schedule
@@ -51,6 +52,7 @@ class Run:
     resume: CK.Resume | None
     best: dict | None           # checkpoints/best's held-out record (resumed runs)
     dtype: torch.dtype          # what the states are fed to the drafter in
+    spool: Spool | None = None  # --follow: the spool being written (data/stream.py)
 
     @property
     def device(self) -> torch.device:
@@ -149,7 +151,8 @@ def read_checked_init(cfg: TrainConfig, manifest: C.DumpManifest, log):
     return init
 
 
-def make_vocab(cfg: TrainConfig, dumps: DumpSet, train_refs: list, init, data_sha: str, log) -> None:
+def make_vocab(cfg: TrainConfig, dumps: DumpSet, train_refs: list, init, data_sha: str, log,
+               spool: Spool | None = None) -> None:
     """A fresh run's RUN/vocab.safetensors: --vocab's file, --init-from's map, or built from the training split.
     One a failed start left there is kept only if it was made from the same data and settings."""
     manifest = dumps.manifest
@@ -174,7 +177,8 @@ def make_vocab(cfg: TrainConfig, dumps: DumpSet, train_refs: list, init, data_sh
     elif init is not None:  # the export's lm_head rows are its map's tokens: train with that map
         vocab = init.vocab(manifest.identity())
     else:
-        vocab = build_vocab(dumps, train_refs, n, progress=cfg.progress)
+        vocab = build_vocab(dumps, train_refs, n, progress=cfg.progress,
+                            counts=spool.count_tokens(train_refs) if spool is not None else None)
         log(f"[train] draft vocab {describe_vocab(vocab['meta'])}")
     vocab["meta"]["source"] = source
     save_vocab(vocab_path, vocab)
@@ -191,23 +195,42 @@ def set_up(cfg: TrainConfig) -> Run:
     run_dir = cfg.out
 
     # ---- the contract: dumps agree with each other (DumpSet), with the target, and with a resumed run
-    dumps = D.run_on_main(lambda: DumpSet(cfg.dump, verify=True, progress=cfg.progress), world)
-    if dumps is None:
-        dumps = DumpSet(cfg.dump, verify=False)
+    spool = Spool(cfg.dump[0], cfg.held_out_fraction) if cfg.follow else None  # its shards: checked as they come
+    if spool is not None:
+        dumps = spool.dumps
+        if not cfg.delete_consumed and not spool.fits_without_deleting():
+            raise ValueError(f"{cfg.dump[0]} is written on a {spool.record['budget_bytes']:,} B budget that does not "
+                             "hold the whole dump: without --delete-consumed its writer would stop once the budget "
+                             "is full, and this run with it")
+    else:
+        dumps = D.run_on_main(lambda: DumpSet(cfg.dump, verify=True, progress=cfg.progress), world)
+        if dumps is None:
+            dumps = DumpSet(cfg.dump, verify=False)
     # An fp8 dump is dequantized where training runs (Batch.to), not by the loader's CPU workers: at the Kimi
     # shape they would feed an H200 at ~1.3x its rate (bench/RESULTS.md, fp8 storage). On a CPU the multiply just
     # moves to the main process, a few ms next to a step there; one path for both.
     dumps.fp8_in_batch = True
     manifest = dumps.manifest
     D.run_on_main(lambda: check_target_matches_dumps(cfg.target, manifest, cfg.trust_remote_code), world)
-    train_refs, held_refs = split(dumps.refs, cfg.held_out_fraction, cfg.seed)
+    if spool is not None:  # the spool's own split: its held-out shards
+        train_refs, held_refs, data_sha = spool.train_refs, spool.held_refs, spool.data_sha256
+    else:
+        train_refs, held_refs = split(dumps.refs, cfg.held_out_fraction, cfg.seed)
+        data_sha = data_sha256(dumps)
     if not train_refs:
         raise ValueError("no training samples after the held-out split")
-    data_sha = data_sha256(dumps)
     parallel = Parallel.of(world, cfg.sequence_parallel)  # the data is dealt to sequence-parallel groups
-    plan = BatchPlan([r.length for r in train_refs], cfg.token_budget, cfg.seed, parallel.dp_rank, parallel.dp_size)
+    if spool is not None:
+        plan = WindowPlan(spool.windows, spool.window_shards, [r.length for r in train_refs], cfg.token_budget,
+                          cfg.seed, parallel.dp_rank, parallel.dp_size)
+        spool.check_windows(plan.window_shards)
+    else:
+        plan = BatchPlan([r.length for r in train_refs], cfg.token_budget, cfg.seed, parallel.dp_rank,
+                         parallel.dp_size)
     steps_per_epoch = len(plan.epoch(0))
     total = cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
+    if spool is not None:
+        total = min(total, steps_per_epoch)  # one pass: the spool ends
     total -= total % cfg.grad_accum
 
     run_path = os.path.join(run_dir, RUN_FILE)
@@ -226,7 +249,7 @@ def set_up(cfg: TrainConfig) -> Run:
             raise ValueError(f"{run_dir} already holds a training run ({', '.join(traces)}): pass --resume, or "
                              "choose another --out")
         os.makedirs(run_dir, exist_ok=True)
-        make_vocab(cfg, dumps, train_refs, init, data_sha, log)
+        make_vocab(cfg, dumps, train_refs, init, data_sha, log, spool)
         return None
     resumed = D.broadcast_object(D.run_on_main(prepare_run_dir, world))
     vocab = load_vocab(vocab_path)
@@ -291,4 +314,4 @@ def set_up(cfg: TrainConfig) -> Run:
                held_refs=held_refs, plan=plan, total=total, engine=engine, sched=sched, drafter_config=dcfg,
                run_record=run_record, step=step, resume=resume,
                best=CK.read_best(run_dir) if resume is not None else None,
-               dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
+               dtype=torch.bfloat16 if cfg.bf16 else torch.float32, spool=spool)

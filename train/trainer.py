@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from eagle3.data.batch import Batch
 from eagle3.data.loader import BatchPlan, make_loader
+from eagle3.data.stream import follow
 from eagle3.records import CHECKPOINTS_DIR, METRICS_FILE
 from eagle3.train import checkpoint as CK
 from eagle3.train.acceptance import ChainStats, walk
@@ -87,8 +88,18 @@ def train(cfg: TrainConfig) -> dict:
     run = set_up(cfg)
     engine, world, p, step, total, best = run.engine, run.world, run.parallel, run.step, run.total, run.best
     metrics = MetricsLog(cfg.out, cfg, world.is_main, resume_step=step if run.resume is not None else None)
-    loader = make_loader(run.dumps, run.train_refs, run.plan, start_step=step, num_steps=total - step,
-                         num_workers=cfg.num_workers, pin_memory=run.device.type == "cuda")
+    def loader_of(plan, start, n):
+        return make_loader(run.dumps, run.train_refs, plan, start_step=start, num_steps=n,
+                           num_workers=cfg.num_workers, pin_memory=run.device.type == "cuda")
+    if run.spool is None:
+        loader = loader_of(run.plan, step, total - step)
+    else:  # --follow: window by window as the dump writes them; a window's end frees it under --delete-consumed
+        window_ends = set(run.plan.window_end) if cfg.delete_consumed else set()
+        if window_ends and world.is_main:  # what a run killed between its checkpoint and the deletes left
+            for w, end in enumerate(run.plan.window_end):
+                if end <= step:
+                    run.spool.consume(run.plan.window_shards[w], step)
+        loader = follow(run.spool, run.plan, step, total - step, world, loader_of, run.log, cfg.follow_timeout)
     bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=not (cfg.progress and world.is_main),
                dynamic_ncols=True)
     engine.train()
@@ -125,12 +136,15 @@ def train(cfg: TrainConfig) -> dict:
             since.zero_()
         bar.update(1)
         # save first: whatever happens in the evaluation below, the step's weights are on disk
-        if step % cfg.save_interval == 0 or step == total:
+        window_done = run.spool is not None and step in window_ends
+        if step % cfg.save_interval == 0 or step == total or window_done:
             bad = [n for n, q in engine.module.named_parameters() if not bool(torch.isfinite(q).all())]
             if bad:  # never saved: a checkpoint of NaN weights would be resumed or exported as if it were one
                 raise _non_finite(f"by step {step}: parameters {bad[:6]}{' ...' if len(bad) > 6 else ''} are not "
                                   "finite", run)
             CK.save_checkpoint(engine, cfg.out, step, cfg.keep_checkpoints, world, run.run_record)
+            if window_done and world.is_main:  # covered by the checkpoint just saved: the dump may go on
+                run.spool.consume(run.plan.window_shards[run.plan.window_of(step - 1)], step)
         if run.held_refs and (step % cfg.eval_interval == 0 or step == total):
             ev = {"step": step, "split": "eval", **evaluate(run)}
             metrics.write(ev)
