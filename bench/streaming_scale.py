@@ -33,7 +33,7 @@ HEADER = ["sample tokens", "tokens (all samples)", "offline disk bf16 / fp8 (for
 LAYOUTS = ("llama + fc_norm + norm_output", "mla + fc_norm + norm_output")
 
 
-def table(samples: int, spool_tb: float) -> list[str]:
+def table(samples: int, spool_tb: float, held_out: float = 0.001) -> list[str]:
     rows = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for L in (2048, 4096):
         tokens = samples * L
@@ -50,7 +50,8 @@ def table(samples: int, spool_tb: float) -> list[str]:
             train_h.append(f"{h:,.0f} ({name})")
             total.append(f"{dump_h + h:,.0f} ({(dump_h + h) / TORCHSPEC_GPU_H:.2f}x) ({name})")
         cells = [f"{L:,}", f"{tokens / 1e9:.2f} B", f"{bf16:,.1f} TB / {fp8:,.1f} TB",
-                 f"<= {spool_tb:g} TB budget + one shard per writer", f"{node:,.0f}", " / ".join(ratio),
+                 f"<= {spool_tb:g} TB (the budget; {fp8 * held_out:,.2f} TB of it held-out shards at "
+                 f"--held-out-fraction {held_out:g})", f"{node:,.0f}", " / ".join(ratio),
                  f"{dump_h:,.0f}", " / ".join(train_h), " / ".join(total)]
         rows.append("| " + " | ".join(cells) + " |")
     return rows
@@ -60,8 +61,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=600_000, help="target-written samples (two phases of ~300k)")
     ap.add_argument("--spool-budget-tb", type=float, default=2.0)
+    ap.add_argument("--held-out-fraction", type=float, default=0.001,
+                    help="the spool keeps its held-out shards on disk: at this scale a small fraction (600 samples)")
     a = ap.parse_args()
-    print("\n".join(table(a.samples, a.spool_budget_tb)))
+    print("\n".join(table(a.samples, a.spool_budget_tb, a.held_out_fraction)))
 
 
 if __name__ == "__main__":

@@ -349,3 +349,17 @@ def test_window_plan_joins_windows_too_small_for_the_ranks():
     assert p.window_shards == [[5, 6], [7, 8, 9]]  # the last, alone too small, joins the one before
     with pytest.raises(ValueError, match="cannot fill 4 data-parallel ranks"):
         WindowPlan([[0], [1, 2]], [[0], [1]], lengths, 256, seed=0, rank=0, world_size=4)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(dump=["a", "b"], follow=True), "one spool"),
+    (dict(dump=["a"], follow=True, epochs=2.0), "one pass"),
+    (dict(dump=["a"], delete_consumed=True), "go with --follow"),
+    (dict(dump=["a"], follow_timeout=5.0), "go with --follow"),
+    (dict(dump=["a"], follow=True, follow_timeout=0.0), "must be > 0"),
+    (dict(dump=["a"], follow=True, delete_consumed=True, grad_accum=2), "partial gradient"),
+])
+def test_follow_options_are_checked_up_front(kw, msg):
+    from eagle3.train.config import TrainConfig
+    with pytest.raises(ValueError, match=msg):
+        TrainConfig(**kw)

@@ -200,6 +200,10 @@ class TrainConfig:
             if self.epochs != 1.0:
                 raise ValueError(f"--follow trains one pass over the spool as it is written: --epochs {self.epochs} "
                                  "(for several passes, train on the finished dump without --follow)")
+            if self.delete_consumed and self.grad_accum > 1:
+                raise ValueError("--delete-consumed checkpoints at every window's end, which can fall between the "
+                                 f"{self.grad_accum} micro-batches of an optimizer step (--grad-accum): a resume would "
+                                 "lose the partial gradient; raise --token-budget instead")
         elif self.delete_consumed or self.follow_timeout is not None:
             raise ValueError("--delete-consumed and --follow-timeout go with --follow")
         if self.follow_timeout is not None and not self.follow_timeout > 0:

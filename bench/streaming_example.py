@@ -1,0 +1,117 @@
+"""Streamed against sequential on the example target (issue 34): the same target-written answers dumped and trained
+on one machine, (a) one after the other: `eagle3 dump`, then `eagle3 train` (one pass), and (b) at once: `eagle3
+dump --spool-budget B` beside `eagle3 train --follow --delete-consumed`. Reports wall time to the last checkpoint,
+the shard files' high-water mark against the budget, and the held-out decoding replay (the same held-out samples
+in both: the trainer's split with seed 0 is the spool's), as JSON lines.
+
+    python3 bench/streaming_example.py --data answers.jsonl --out /tmp/stream_bench [--samples 800] [--budget 256MiB]
+
+`--data` defaults to the target's own answers to the packaged ShareGPT (bench/results/
+quality_i_h200_regen_conversations.jsonl.gz, written by `eagle3 regenerate` on an H100, 2026-12-06).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ANSWERS = os.path.join(HERE, "results", "quality_i_h200_regen_conversations.jsonl.gz")
+
+
+class HighWater(threading.Thread):
+    def __init__(self, d: str):
+        super().__init__(daemon=True)
+        self.d, self.high, self.stop = d, 0, False
+        self.start()
+
+    def run(self):
+        while not self.stop:
+            n = 0
+            for f in glob.glob(os.path.join(self.d, "shard-*.safetensors*")):
+                try:
+                    n += os.path.getsize(f)
+                except OSError:
+                    pass
+            self.high = max(self.high, n)
+            time.sleep(0.05)
+
+
+def last_eval(run: str) -> dict:
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    ev = [r for r in rows if r.get("split") == "eval"]
+    return {"step": ev[-1]["step"], "heldout_accept_len": ev[-1]["decode_accept_len"],
+            "acc_0": ev[-1]["acc_j"][0]} if ev else {}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default=ANSWERS)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--samples", type=int, default=800)
+    ap.add_argument("--max-length", type=int, default=512)
+    ap.add_argument("--budget", default="256MiB", help="the spool's --spool-budget")
+    ap.add_argument("--shard-size-mb", type=float, default=16.0)
+    ap.add_argument("--token-budget", type=int, default=2048)
+    ap.add_argument("--modes", default="sequential,streamed")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    data = a.data
+    if data.endswith(".gz"):
+        data = os.path.join(a.out, "answers.jsonl")
+        if not os.path.exists(data):
+            with gzip.open(a.data, "rt") as f, open(data, "w") as g:
+                shutil.copyfileobj(f, g)
+    env = dict(os.environ, WANDB_MODE="disabled")
+    from eagle3.dump.example import example_target_dir
+    target = example_target_dir()
+    dump_args = ["--target", target, "--data", data, "--num-samples", str(a.samples), "--max-length",
+                 str(a.max_length), "--shard-size-mb", str(a.shard_size_mb), "--no-progress"]
+    train_args = ["--target", target, "--config", "example", "--epochs", "1", "--token-budget", str(a.token_budget),
+                  "--eval-interval", "100000", "--save-interval", "100000", "--no-progress", "--num-workers", "1"]
+    eagle3 = [sys.executable, "-m", "eagle3.cli"]
+    for mode in a.modes.split(","):
+        root = os.path.join(a.out, mode)
+        shutil.rmtree(root, ignore_errors=True)
+        dump_dir, run = os.path.join(root, "dump"), os.path.join(root, "run")
+        os.makedirs(root)
+        t0 = time.perf_counter()
+        if mode == "sequential":
+            hw = HighWater(dump_dir)
+            subprocess.run(eagle3 + ["dump", "--out", dump_dir, *dump_args], env=env, check=True)
+            t_dump = time.perf_counter() - t0
+            subprocess.run(eagle3 + ["train", "--dump", dump_dir, "--out", run, *train_args], env=env, check=True)
+        else:
+            dump = subprocess.Popen(eagle3 + ["dump", "--out", dump_dir, "--spool-budget", a.budget, *dump_args],
+                                    env=env)
+            while not os.path.exists(os.path.join(dump_dir, "spool.json")):
+                if dump.poll() is not None:
+                    raise SystemExit(f"the dump stopped (rc {dump.returncode}) before it wrote spool.json")
+                time.sleep(0.2)
+            hw = HighWater(dump_dir)
+            subprocess.run(eagle3 + ["train", "--dump", dump_dir, "--out", run, "--follow", "--delete-consumed",
+                                     *train_args], env=env, check=True)
+            if dump.wait() != 0:
+                raise SystemExit(f"the dump failed (rc {dump.returncode})")
+            t_dump = None
+        wall = time.perf_counter() - t0
+        hw.stop = True
+        hw.join()
+        row = {"mode": mode, "wall_s": round(wall, 1), "dump_s": None if t_dump is None else round(t_dump, 1),
+               "shard_bytes_high_water": hw.high, "budget": a.budget if mode == "streamed" else None,
+               **last_eval(run), "samples": a.samples, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        print(json.dumps(row), flush=True)
+        with open(os.path.join(a.out, "streaming_example.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
