@@ -38,8 +38,11 @@ def _port():
         return s.getsockname()[1]
 
 
-def start_dump(target, data, out, job=0, jobs=1, budget=BUDGET):
-    cmd = [sys.executable, "-m", "eagle3.dump", "--target", target, "--data", data, "--out", str(out), "--dtype",
+def start_dump(target, data, out, job=0, jobs=1, budget=BUDGET, nproc=1):
+    launch = [sys.executable, "-m", "eagle3.dump"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", "-m",
+        "eagle3.dump"]
+    cmd = [*launch, "--target", target, "--data", data, "--out", str(out), "--dtype",
            "fp32", "--shard-size-mb", "0.05", "--spool-budget", budget, "--held-out-fraction", str(FRACTION),
            "--num-jobs", str(jobs), "--job-index", str(job), "--no-progress"]
     return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -175,12 +178,14 @@ def test_kill9_of_dump_and_trainer_gives_the_same_drafter(streamed, tiny_targets
 
 
 @pytest.mark.slow
-def test_two_dump_jobs_into_one_spool(streamed, tiny_targets, data40, tmp_path):
-    """Two dump jobs (--num-jobs 2) write one spool while the follower trains: within the budget, the same shards and
-    the same drafter as one job."""
+@pytest.mark.parametrize("writers", ["two jobs", "one world of two data-parallel ranks"])
+def test_two_writers_into_one_spool(streamed, tiny_targets, data40, tmp_path, writers):
+    """Two dump jobs (--num-jobs 2), or one torchrun world of two DP ranks, write one spool while the follower
+    trains: within the budget, the same shards and the same drafter as one writer."""
     target = tiny_targets["llama"]
     spool, run = tmp_path / "spool", tmp_path / "run"
-    jobs = [start_dump(target, data40, spool, job=i, jobs=2) for i in range(2)]
+    jobs = ([start_dump(target, data40, spool, job=i, jobs=2) for i in range(2)] if writers == "two jobs"
+            else [start_dump(target, data40, spool, nproc=2)])
     wait_for(lambda: os.path.exists(spool / SP.SPOOL_FILE), "spool.json")
     hw = HighWater(spool)
     train = start_train(target, spool, run)
