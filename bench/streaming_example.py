@@ -13,36 +13,18 @@ quality_i_h200_regen_conversations.jsonl.gz, written by `eagle3 regenerate` on a
 from __future__ import annotations
 
 import argparse
-import glob
 import gzip
 import json
 import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
+
+from eagle3.dump.spool import HighWater
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ANSWERS = os.path.join(HERE, "results", "quality_i_h200_regen_conversations.jsonl.gz")
-
-
-class HighWater(threading.Thread):
-    def __init__(self, d: str):
-        super().__init__(daemon=True)
-        self.d, self.high, self.stop = d, 0, False
-        self.start()
-
-    def run(self):
-        while not self.stop:
-            n = 0
-            for f in glob.glob(os.path.join(self.d, "shard-*.safetensors*")):
-                try:
-                    n += os.path.getsize(f)
-                except OSError:
-                    pass
-            self.high = max(self.high, n)
-            time.sleep(0.05)
 
 
 def last_eval(run: str) -> dict:
@@ -85,7 +67,7 @@ def main() -> None:
         os.makedirs(root)
         t0 = time.perf_counter()
         if mode == "sequential":
-            hw = HighWater(dump_dir)
+            hw = HighWater(dump_dir, every=0.05)
             subprocess.run(eagle3 + ["dump", "--out", dump_dir, *dump_args], env=env, check=True)
             t_dump = time.perf_counter() - t0
             subprocess.run(eagle3 + ["train", "--dump", dump_dir, "--out", run, *train_args], env=env, check=True)
@@ -96,15 +78,14 @@ def main() -> None:
                 if dump.poll() is not None:
                     raise SystemExit(f"the dump stopped (rc {dump.returncode}) before it wrote spool.json")
                 time.sleep(0.2)
-            hw = HighWater(dump_dir)
+            hw = HighWater(dump_dir, every=0.05)
             subprocess.run(eagle3 + ["train", "--dump", dump_dir, "--out", run, "--follow", "--delete-consumed",
                                      *train_args], env=env, check=True)
             if dump.wait() != 0:
                 raise SystemExit(f"the dump failed (rc {dump.returncode})")
             t_dump = None
         wall = time.perf_counter() - t0
-        hw.stop = True
-        hw.join()
+        hw.stop()
         row = {"mode": mode, "wall_s": round(wall, 1), "dump_s": None if t_dump is None else round(t_dump, 1),
                "shard_bytes_high_water": hw.high, "budget": a.budget if mode == "streamed" else None,
                **last_eval(run), "samples": a.samples, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

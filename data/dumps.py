@@ -67,7 +67,7 @@ class DumpSet:
         if verify:
             self.verify(progress=progress)
         self.refs: list[SampleRef] = []
-        self.legacy: list[str] = []  # dumps whose shards predate per-shard identity (see _check_shard)
+        self.legacy: list[str] = []  # dumps whose shards predate per-shard identity (see check_shard)
         for di, (d, m) in enumerate(zip(self.dirs, self.manifests)):
             plans = set()
             for si, rec in enumerate(m.shards):

@@ -106,6 +106,9 @@ class DumpConfig:
             SP.parse_size(self.spool_budget)  # ValueError naming the text
         if not 0.0 <= self.held_out_fraction < 1.0:
             raise ValueError(f"--held-out-fraction {self.held_out_fraction!r}: must be in [0, 1)")
+        if self.held_out_fraction != HELD_OUT_FRACTION and self.spool_budget is None:
+            raise ValueError("--held-out-fraction places a spool's held-out shards: it goes with --spool-budget (a "
+                             "plain dump is split by `eagle3 train --held-out-fraction`)")
         if self.layers is not None and not self.layers:
             raise ContractError("--layers names no index (leave it out for the default capture set)")
         if self.dtype not in T.DTYPES:
@@ -280,7 +283,7 @@ def _prepare_out_dir(out: str, manifest: DumpManifest, plan_hash: str, shard_met
         finished = {j for j in range(n_shards) if finished_shard(out, j, shard_meta, plan_hash)}
     except ContractError as e:
         return str(e), set()
-    if old is None:
+    if old is None and cfg.job_index == 0:  # one writer: jobs on other hosts may share a process id (tmp_name)
         atomic_write_text(path, json.dumps(record, indent=1))
     # No writer of this job runs yet (its other ranks wait for this answer); other jobs' may: only this job's shards
     stale = S.remove_stale_tmp(out, None if cfg.num_jobs == 1 else
@@ -366,7 +369,7 @@ def run_dump(cfg: DumpConfig) -> DumpManifest:
     if spool is not None:
         def publish():
             try:
-                SP.write_spool(cfg.out, spool, samples)
+                SP.write_spool(cfg.out, spool, samples, write=cfg.job_index == 0)
             except ContractError as e:
                 return str(e)
         err = D.broadcast_object(publish() if world.is_main else None)

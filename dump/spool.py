@@ -21,15 +21,19 @@ what the budget leaves after the held-out shards, so the dump writes window w+1 
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
+import threading
 import time
 from contextlib import contextmanager
 
+import torch
+
 from eagle3 import contract as C
 from eagle3.atomic import atomic_write_text
-from eagle3.dump.shards import shard_name
+from eagle3.dump.shards import shard_name, write_safetensors
 
 SPOOL_FILE = "spool.json"
 SPOOL_TOKENS = "spool_tokens.safetensors"
@@ -116,11 +120,10 @@ def spool_record(manifest: C.DumpManifest, plan_hash: str, plan: list[list[int]]
             "held_out_shards": n_held, "windows": windows, "shards": shards, "manifest": m}
 
 
-def write_spool(out: str, record: dict, samples) -> None:
+def write_spool(out: str, record: dict, samples, write: bool = True) -> None:
     """spool.json and spool_tokens.safetensors, unless a resumed run finds the same ones there (an existing spool of
-    another plan or budget is refused: the follower's batch order is made from it)."""
-    from eagle3.dump.shards import write_safetensors
-    import torch
+    another plan or budget is refused: the follower's batch order is made from it). `write=False` (the jobs other
+    than job 0 of several, which may run on other hosts: temporary names are per process id) only checks."""
     path = os.path.join(out, SPOOL_FILE)
     if os.path.isfile(path):
         with open(path) as f:
@@ -132,6 +135,8 @@ def write_spool(out: str, record: dict, samples) -> None:
                                       "first run's --spool-budget / --held-out-fraction, or use a new --out")
         if os.path.isfile(os.path.join(out, SPOOL_TOKENS)):
             return
+    if not write:
+        return
     order = [s for sh in record["shards"] for s in sh["sample_index"]]
     by_index = {s.sample_index: s for s in samples}
     ids = [torch.as_tensor(by_index[i].input_ids, dtype=torch.int32) for i in order]
@@ -232,3 +237,29 @@ def failure_recorded(out: str, job: int, on: bool):
                 {"job_index": job, "shard": None if shard is None else shard_name(shard),
                  "error": f"{type(e).__name__}: {e}"[:2000], "time": time.time()}))
         raise
+
+
+class HighWater(threading.Thread):
+    """The most bytes of shard files (temporary ones included) seen in `out` at once, sampled every `every` s until
+    `.stop()`: what the budget bounds (tests/test_stream.py, bench/streaming_example.py)."""
+
+    def __init__(self, out: str, every: float = 0.01):
+        super().__init__(daemon=True)
+        self.out, self.every, self.high, self._done = str(out), every, 0, threading.Event()
+        self.start()
+
+    def run(self):
+        while not self._done.is_set():
+            n = 0
+            for f in glob.glob(os.path.join(self.out, "shard-*.safetensors*")):
+                try:
+                    n += os.path.getsize(f)
+                except OSError:  # deleted between the listing and the stat
+                    pass
+            self.high = max(self.high, n)
+            self._done.wait(self.every)
+
+    def stop(self) -> int:
+        self._done.set()
+        self.join()
+        return self.high

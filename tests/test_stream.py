@@ -77,26 +77,6 @@ def wait_for(cond, what, timeout=300):
         time.sleep(0.05)
 
 
-class HighWater(threading.Thread):
-    """The most bytes of shard files (temporary ones included) ever seen in the spool at once."""
-
-    def __init__(self, spool):
-        super().__init__(daemon=True)
-        self.spool, self.high, self.stop = str(spool), 0, False
-        self.start()
-
-    def run(self):
-        while not self.stop:
-            n = 0
-            for f in glob.glob(os.path.join(self.spool, "shard-*.safetensors*")):
-                try:
-                    n += os.path.getsize(f)
-                except OSError:
-                    pass
-            self.high = max(self.high, n)
-            time.sleep(0.01)
-
-
 def final_weights(run):
     ck = os.path.join(run, "checkpoints")
     tag = open(os.path.join(ck, "latest")).read().strip()  # DeepSpeed's pointer file
@@ -120,12 +100,11 @@ def streamed(tiny_targets, data40, tmp_path_factory):
     spool, run = root / "spool", root / "run"
     dump = start_dump(tiny_targets["llama"], data40, spool)
     wait_for(lambda: os.path.exists(spool / SP.SPOOL_FILE), "spool.json")
-    hw = HighWater(spool)
+    hw = SP.HighWater(spool)
     train = start_train(tiny_targets["llama"], spool, run)
     finish(dump, "dump")
     log = finish(train, "train")
-    hw.stop = True
-    hw.join()
+    hw.stop()
     return {"spool": str(spool), "run": str(run), "high": hw.high, "log": log}
 
 
@@ -187,12 +166,11 @@ def test_two_writers_into_one_spool(streamed, tiny_targets, data40, tmp_path, wr
     jobs = ([start_dump(target, data40, spool, job=i, jobs=2) for i in range(2)] if writers == "two jobs"
             else [start_dump(target, data40, spool, nproc=2)])
     wait_for(lambda: os.path.exists(spool / SP.SPOOL_FILE), "spool.json")
-    hw = HighWater(spool)
+    hw = SP.HighWater(spool)
     train = start_train(target, spool, run)
     logs = [finish(p, f"dump job {i}") for i, p in enumerate(jobs)]
     finish(train, "train")
-    hw.stop = True
-    hw.join()
+    hw.stop()
     assert hw.high <= SP.read_spool(str(spool))["budget_bytes"]
     assert sidecars(str(spool)) == sidecars(streamed["spool"])
     assert os.path.exists(spool / C.MANIFEST_FILE)
@@ -368,3 +346,15 @@ def test_follow_options_are_checked_up_front(kw, msg):
     from eagle3.train.config import TrainConfig
     with pytest.raises(ValueError, match=msg):
         TrainConfig(**kw)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(held_out_fraction=0.1), "goes with --spool-budget"),
+    (dict(spool_budget="lots"), "not a size"),
+    (dict(num_jobs=2, job_index=2), r"--job-index 2: must be in 0..1"),
+    (dict(num_jobs=0), "--num-jobs 0"),
+])
+def test_spool_dump_options_are_checked_up_front(kw, msg):
+    from eagle3.dump.job import DumpConfig
+    with pytest.raises(ValueError, match=msg):
+        DumpConfig(target="t", data=["d.jsonl"], out="o", **kw)
