@@ -214,6 +214,26 @@ class Spool:
                                  "larger --spool-budget or --shard-size-mb")
 
 
+def open_spool(path: str, held_out_fraction: float | None = None, timeout: float | None = None, log=None) -> Spool:
+    """The spool in `path`, waiting for its dump to publish spool.json (a follower may start first: the dump reads
+    and tokenizes all its data before it plans). A finished plain dump there, or a failed dump job, is an error at
+    once; `timeout` seconds without a spool, too."""
+    t0, said = time.monotonic(), False
+    while not os.path.isfile(os.path.join(path, SP.SPOOL_FILE)):
+        if os.path.isfile(os.path.join(path, C.MANIFEST_FILE)):
+            SP.read_spool(path)  # raises: "not a spool"
+        failed = sorted(glob.glob(os.path.join(path, "dump_failed.job*.json")))
+        if failed:
+            raise ContractError(f"{path}: its dump failed before it planned the spool ({failed[0]})")
+        if timeout is not None and time.monotonic() - t0 > timeout:
+            SP.read_spool(path)  # raises, naming what is missing
+        if not said and log is not None:
+            log(f"[train] waiting for the dump to start the spool in {path}")
+            said = True
+        time.sleep(SP.POLL_S)
+    return Spool(path, held_out_fraction)
+
+
 class WindowPlan:
     """data/loader.BatchPlan's interface over a spool: one pass, window after window (module docstring).
     `windows`: positions into `lengths` per spool window, `window_shards` their shards. A window with fewer samples

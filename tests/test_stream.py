@@ -227,6 +227,25 @@ def test_a_failed_dump_stops_the_follower_naming_the_shard(tiny_targets, data40,
     assert os.path.exists(spool / C.MANIFEST_FILE)
 
 
+def test_the_follower_may_start_before_the_dump(tiny_targets, data40, tmp_path, monkeypatch):
+    """Started together, the dump spends a while reading its data before it plans the spool: the follower waits."""
+    monkeypatch.setattr(SP, "POLL_S", 0.02)
+    target = tiny_targets["llama"]
+    spool = tmp_path / "spool"
+    seen = {}
+
+    def dump_later():
+        time.sleep(1.0)
+        seen["before"] = spool.exists()
+        _in_process_spool(target, data40, spool)
+    dump = threading.Thread(target=dump_later)
+    dump.start()
+    r = _follow(target, spool, tmp_path / "run")
+    dump.join(timeout=300)
+    assert seen["before"] is False and r["step"] > 0
+    assert os.path.exists(tmp_path / "run" / "checkpoints" / "latest")
+
+
 def test_an_altered_shard_is_refused_by_name(tiny_targets, data40, tmp_path):
     target = tiny_targets["llama"]
     spool = tmp_path / "spool"

@@ -19,7 +19,7 @@ from eagle3 import dist as D
 from eagle3 import presets
 from eagle3.data.dumps import DumpSet, split
 from eagle3.data.loader import BatchPlan
-from eagle3.data.stream import Spool, WindowPlan
+from eagle3.data.stream import Spool, WindowPlan, open_spool
 from eagle3.data.vocab import build_vocab, describe_vocab, load_vocab, save_vocab
 from eagle3.model import OPTIONS, DrafterConfig, Eagle3Drafter
 from eagle3.records import METRICS_FILE, RUN_FILE, VOCAB_FILE, RunRecord
@@ -195,7 +195,8 @@ def set_up(cfg: TrainConfig) -> Run:
     run_dir = cfg.out
 
     # ---- the contract: dumps agree with each other (DumpSet), with the target, and with a resumed run
-    spool = Spool(cfg.dump[0], cfg.held_out_fraction) if cfg.follow else None  # its shards: checked as they come
+    spool = (open_spool(cfg.dump[0], cfg.held_out_fraction, cfg.follow_timeout, log) if cfg.follow
+             else None)  # its shards: checked as they come
     if spool is not None:
         dumps = spool.dumps
         if not cfg.delete_consumed and not spool.fits_without_deleting():
