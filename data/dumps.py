@@ -78,16 +78,8 @@ class DumpSet:
                 if size != rec.bytes:
                     raise ContractError(f"{path}: {'missing' if size is None else f'{size:,} bytes'}, the manifest "
                                         f"records {rec.bytes:,} (truncated, replaced or removed)")
-                try:
-                    with safe_open(path, "pt") as f:
-                        offsets = f.get_tensor(C.SAMPLE_OFFSETS).tolist()
-                        index = f.get_tensor(C.SAMPLE_INDEX).tolist()
-                        plans.add(check_shard(path, si, sorted(f.keys()), m, os.path.join(d, C.MANIFEST_FILE)))
-                except ContractError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - safetensors' errors, a missing tensor: not a readable shard
-                    raise ContractError(f"{path}: not a readable dump shard ({type(e).__name__}: "
-                                        f"{str(e)[:200]})") from None
+                offsets, index, plan = read_shard_index(path, si, m, os.path.join(d, C.MANIFEST_FILE))
+                plans.add(plan)
                 if len(index) != rec.samples or offsets[-1] != rec.tokens:
                     raise ContractError(f"{path}: holds {len(index)} samples / {offsets[-1]} tokens, the manifest "
                                         f"says {rec.samples} / {rec.tokens}")
@@ -201,6 +193,22 @@ class DumpSet:
         state = dict(self.__dict__)
         state["_handles"] = {}
         return state
+
+
+def read_shard_index(path: str, position: int, m: DumpManifest,
+                     manifest_path: str) -> tuple[list[int], list[int], str | None]:
+    """(sample_offsets, sample_index, plan hash) of the shard at `position` of manifest m, after `check_shard`;
+    whatever safetensors cannot read is a ContractError naming the file."""
+    try:
+        with safe_open(path, "pt") as f:
+            offsets = f.get_tensor(C.SAMPLE_OFFSETS).tolist()
+            index = f.get_tensor(C.SAMPLE_INDEX).tolist()
+            plan = check_shard(path, position, sorted(f.keys()), m, manifest_path)
+    except ContractError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors' errors, a missing tensor: not a readable shard
+        raise ContractError(f"{path}: not a readable dump shard ({type(e).__name__}: {str(e)[:200]})") from None
+    return offsets, index, plan
 
 
 def check_shard(path: str, position: int, keys: list[str], m: DumpManifest, manifest_path: str) -> str | None:

@@ -14,8 +14,6 @@ error; a dump that is merely behind is waited for, up to --follow-timeout.
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import threading
 import time
@@ -26,7 +24,7 @@ from safetensors import safe_open
 from eagle3 import contract as C
 from eagle3 import dist as D
 from eagle3.contract import ContractError, ShardRecord
-from eagle3.data.dumps import DumpSet, SampleRef, check_shard
+from eagle3.data.dumps import DumpSet, SampleRef, read_shard_index
 from eagle3.data.loader import length_grouped_batches
 from eagle3.dump import spool as SP
 from eagle3.dump.shards import shard_name, sidecar_record
@@ -116,15 +114,7 @@ class Spool:
         if C.file_sha256(path) != rec.sha256:
             raise ContractError(f"{path}: sha256 differs from its sidecar (the shard was altered)")
         plan = self.record["shards"][j]
-        try:
-            with safe_open(path, "pt") as f:
-                offsets = f.get_tensor(C.SAMPLE_OFFSETS).tolist()
-                index = f.get_tensor(C.SAMPLE_INDEX).tolist()
-                plan_hash = check_shard(path, j, sorted(f.keys()), self.manifest, self.source)
-        except ContractError:
-            raise
-        except Exception as e:  # noqa: BLE001 - safetensors' errors: not a readable shard
-            raise ContractError(f"{path}: not a readable dump shard ({type(e).__name__}: {str(e)[:200]})") from None
+        offsets, index, plan_hash = read_shard_index(path, j, self.manifest, self.source)
         lengths = [b - a for a, b in zip(offsets, offsets[1:])]
         if plan_hash != self.plan_hash or index != plan["sample_index"] or lengths != plan["lengths"]:
             raise ContractError(f"{path}: holds samples {index[:4]}... of lengths {lengths[:4]}... under plan "
@@ -134,12 +124,7 @@ class Spool:
         return rec
 
     def _waiting_error(self, j: int) -> ContractError | None:
-        for p in sorted(glob.glob(os.path.join(self.dir, "dump_failed.job*.json"))):
-            try:
-                with open(p) as f:
-                    fail = json.load(f)
-            except (OSError, ValueError):
-                continue
+        for p, fail in SP.failures(self.dir):
             return ContractError(
                 f"{self.dir}: waiting for {shard_name(j)}, but dump job {fail.get('job_index')} failed"
                 f"{' on ' + fail['shard'] if fail.get('shard') else ''}: {fail.get('error')} ({p}). Nothing trained "
@@ -222,9 +207,8 @@ def open_spool(path: str, held_out_fraction: float | None = None, timeout: float
     while not os.path.isfile(os.path.join(path, SP.SPOOL_FILE)):
         if os.path.isfile(os.path.join(path, C.MANIFEST_FILE)):
             SP.read_spool(path)  # raises: "not a spool"
-        failed = sorted(glob.glob(os.path.join(path, "dump_failed.job*.json")))
-        if failed:
-            raise ContractError(f"{path}: its dump failed before it planned the spool ({failed[0]})")
+        for p, fail in SP.failures(path):
+            raise ContractError(f"{path}: its dump failed before it planned the spool: {fail.get('error')} ({p})")
         if timeout is not None and time.monotonic() - t0 > timeout:
             SP.read_spool(path)  # raises, naming what is missing
         if not said and log is not None:

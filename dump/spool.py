@@ -32,7 +32,7 @@ from contextlib import contextmanager
 import torch
 
 from eagle3 import contract as C
-from eagle3.atomic import atomic_write_text
+from eagle3.atomic import atomic_write_text, tmp_name
 from eagle3.dump.shards import shard_name, write_safetensors
 
 SPOOL_FILE = "spool.json"
@@ -64,6 +64,19 @@ def consumed_name(j: int) -> str:
 
 def failed_name(job: int) -> str:
     return f"dump_failed.job{job}.json"
+
+
+def failures(out: str) -> list[tuple[str, dict]]:
+    """The failure records dump jobs left in `out` (failure_recorded), as (path, record); unreadable ones skipped
+    (a record is written atomically: one being replaced is read next time)."""
+    found = []
+    for p in sorted(glob.glob(os.path.join(out, "dump_failed.job*.json"))):
+        try:
+            with open(p) as f:
+                found.append((p, json.load(f)))
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def plan_spool(positions_held: list[int], positions_train: list[int], lengths: list[int], bytes_per_token: int,
@@ -143,7 +156,7 @@ def write_spool(out: str, record: dict, samples, write: bool = True) -> None:
     mask = [torch.as_tensor(by_index[i].loss_mask, dtype=torch.uint8) for i in order]
     offsets = torch.zeros(len(order) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor([len(x) for x in ids], dtype=torch.int64).cumsum(0)
-    tmp = os.path.join(out, SPOOL_TOKENS + f".tmp-{os.getpid()}")
+    tmp = tmp_name(os.path.join(out, SPOOL_TOKENS))
     write_safetensors(tmp, {C.SAMPLE_OFFSETS: [offsets], C.SAMPLE_INDEX: [torch.tensor(order, dtype=torch.int64)],
                             C.INPUT_IDS: ids, C.LOSS_MASK: mask}, {C.PLAN_SHA256: record[C.PLAN_SHA256]})
     os.replace(tmp, os.path.join(out, SPOOL_TOKENS))

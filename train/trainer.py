@@ -91,10 +91,11 @@ def train(cfg: TrainConfig) -> dict:
     def loader_of(plan, start, n):
         return make_loader(run.dumps, run.train_refs, plan, start_step=start, num_steps=n,
                            num_workers=cfg.num_workers, pin_memory=run.device.type == "cuda")
+    # --follow --delete-consumed: a window's end saves a checkpoint and frees the window's shards
+    window_ends = set(run.plan.window_end) if run.spool is not None and cfg.delete_consumed else set()
     if run.spool is None:
         loader = loader_of(run.plan, step, total - step)
-    else:  # --follow: window by window as the dump writes them; a window's end frees it under --delete-consumed
-        window_ends = set(run.plan.window_end) if cfg.delete_consumed else set()
+    else:  # --follow: window by window as the dump writes them
         if window_ends and world.is_main:  # what a run killed between its checkpoint and the deletes left
             for w, end in enumerate(run.plan.window_end):
                 if end <= step:
@@ -136,7 +137,7 @@ def train(cfg: TrainConfig) -> dict:
             since.zero_()
         bar.update(1)
         # save first: whatever happens in the evaluation below, the step's weights are on disk
-        window_done = run.spool is not None and step in window_ends
+        window_done = step in window_ends
         if step % cfg.save_interval == 0 or step == total or window_done:
             bad = [n for n, q in engine.module.named_parameters() if not bool(torch.isfinite(q).all())]
             if bad:  # never saved: a checkpoint of NaN weights would be resumed or exported as if it were one
