@@ -8,6 +8,11 @@ in both: the trainer's split with seed 0 is the spool's), as JSON lines.
 
 `--data` defaults to the target's own answers to the packaged ShareGPT (bench/results/
 quality_i_h200_regen_conversations.jsonl.gz, written by `eagle3 regenerate` on an H100, 2026-12-06).
+`--regenerate PROMPTS`: the target first writes the answers of the first `--samples` + `--eval-prompts` records of
+PROMPTS (`eagle3 regenerate --engine hf`, timed once: both modes start from it, so its seconds are added to both
+walls). `--eval-prompts N` (> 0): each mode's last checkpoint is exported (`eagle3 export-sglang`) and decoded by
+`eagle3 eval` on the N records after the trained ones (answers no run trained on), `--eval-steps` drafts a round;
+the wall then runs to the evaluated export.
 """
 
 from __future__ import annotations
@@ -44,22 +49,48 @@ def main() -> None:
     ap.add_argument("--shard-size-mb", type=float, default=16.0)
     ap.add_argument("--token-budget", type=int, default=2048)
     ap.add_argument("--modes", default="sequential,streamed")
+    ap.add_argument("--regenerate", metavar="PROMPTS", help="conversations whose answers the target writes first")
+    ap.add_argument("--regen-max-new-tokens", type=int, default=256)
+    ap.add_argument("--regen-read", type=int, help="records of PROMPTS read (default 3 x (samples + eval prompts): "
+                    "some are skipped or too long, as in the quickstart)")
+    ap.add_argument("--eval-prompts", type=int, default=0)
+    ap.add_argument("--eval-steps", type=int, default=3)
+    ap.add_argument("--eval-max-new-tokens", type=int, default=64)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    env = dict(os.environ, WANDB_MODE="disabled")
+    eagle3 = [sys.executable, "-m", "eagle3.cli"]
+    t_regen = 0.0
+    if a.regenerate:  # one regeneration, timed, that both modes start from
+        regen = os.path.join(a.out, "regen")
+        t0 = time.perf_counter()
+        read = a.regen_read or 3 * (a.samples + a.eval_prompts)
+        subprocess.run(eagle3 + ["regenerate", "--engine", "hf", "--target", "example", "--data", a.regenerate,
+                                 "--out", regen, "--num-samples", str(read), "--max-turns", "1", "--max-new-tokens",
+                                 str(a.regen_max_new_tokens), "--max-prompt-tokens", str(a.max_length // 2),
+                                 "--no-progress"], env=env, check=True)
+        t_regen = time.perf_counter() - t0
+        a.data = os.path.join(regen, "conversations.jsonl")
     data = a.data
     if data.endswith(".gz"):
         data = os.path.join(a.out, "answers.jsonl")
         if not os.path.exists(data):
             with gzip.open(a.data, "rt") as f, open(data, "w") as g:
                 shutil.copyfileobj(f, g)
-    env = dict(os.environ, WANDB_MODE="disabled")
+    heldout = None
+    if a.eval_prompts:  # the records after the trained ones: answers no run trained on
+        heldout = os.path.join(a.out, "heldout_prompts.jsonl")
+        with open(data) as f, open(heldout, "w") as g:
+            rows = [line for line in f if line.strip()]
+            g.writelines(rows[a.samples:a.samples + a.eval_prompts])
+        if not rows[a.samples:]:
+            raise SystemExit(f"{data}: no records after the first {a.samples} to evaluate on")
     from eagle3.dump.example import example_target_dir
     target = example_target_dir()
     dump_args = ["--target", target, "--data", data, "--num-samples", str(a.samples), "--max-length",
                  str(a.max_length), "--shard-size-mb", str(a.shard_size_mb), "--no-progress"]
     train_args = ["--target", target, "--config", "example", "--epochs", "1", "--token-budget", str(a.token_budget),
                   "--eval-interval", "100000", "--save-interval", "100000", "--no-progress", "--num-workers", "1"]
-    eagle3 = [sys.executable, "-m", "eagle3.cli"]
     for mode in a.modes.split(","):
         root = os.path.join(a.out, mode)
         shutil.rmtree(root, ignore_errors=True)
@@ -84,9 +115,24 @@ def main() -> None:
             if dump.wait() != 0:
                 raise SystemExit(f"the dump failed (rc {dump.returncode})")
             t_dump = None
-        wall = time.perf_counter() - t0
+        t_train_end = time.perf_counter() - t0
+        decoded = {}
+        if heldout:
+            export = os.path.join(root, "export")
+            subprocess.run(eagle3 + ["export-sglang", "--run", run, "--out", export], env=env, check=True,
+                           stdout=subprocess.DEVNULL)
+            subprocess.run(eagle3 + ["eval", "--target", "example", "--drafter", export, "--prompts", heldout,
+                                     "--draft-steps", str(a.eval_steps), "--max-new-tokens",
+                                     str(a.eval_max_new_tokens), "--num-prompts", str(a.eval_prompts), "--out",
+                                     os.path.join(root, "eval")], env=env, check=True)
+            ev = json.load(open(os.path.join(root, "eval", "eval.json")))
+            decoded = {"eval_accept_len": ev.get("acceptance_length"), "eval_lossless": ev.get("lossless"),
+                       "eval_speedup": ev.get("speedup"), "eval_draft_steps": a.eval_steps}
+        wall = time.perf_counter() - t0 + t_regen
         hw.stop()
-        row = {"mode": mode, "wall_s": round(wall, 1), "dump_s": None if t_dump is None else round(t_dump, 1),
+        row = {"mode": mode, "wall_s": round(wall, 1), "regenerate_s": round(t_regen, 1) if a.regenerate else None,
+               "to_last_checkpoint_s": round(t_train_end, 1), **decoded,
+               "dump_s": None if t_dump is None else round(t_dump, 1),
                "shard_bytes_high_water": hw.high, "budget": a.budget if mode == "streamed" else None,
                **last_eval(run), "samples": a.samples, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         print(json.dumps(row), flush=True)
