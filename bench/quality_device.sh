@@ -18,6 +18,8 @@
 #   call 3 (optional, right after): carry .whl                        command: bash bench/quality_device.sh peer
 #           finishes the quickstart if call 2 ran out of time (it resumes), then trains SpecForge's drafter on the same
 #           dump with the same settings (bench/peer_specforge_quality.py) and evaluates both exports the same way.
+#   streaming (issue 34, after the three staging calls): carry .whl   command: bash bench/quality_device.sh streaming
+#           (STREAM_ARGS replaces bench/streaming_example.py's arguments; results: streaming_example.jsonl)
 # QS_ARGS adds quickstart flags (e.g. "--num-samples 4000 --train-steps 1500").
 set -euo pipefail
 export WANDB_MODE=disabled PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
@@ -134,6 +136,21 @@ _job)  # the detached body of `variants`
   fi
   wait
   touch $OUT/ALL.done ;;
+streaming)  # issue 34's one-GPU row (stage .stage1-3 and .whl first, as for `run`): bench/streaming_example.py on
+  # the example target: the target regenerates answers (timed once), then dump -> train one after the other and
+  # dump --spool-budget beside train --follow --delete-consumed on the same GPU, each exported and decoded
+  if [ -d /tmp/site/eagle3 ] && [ -f /root/sharegpt_prompts.jsonl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null
+  else install; fi
+  # shellcheck disable=SC2086
+  python3 bench/streaming_example.py --out /root/stream --regenerate /root/sharegpt_prompts.jsonl \
+      ${STREAM_ARGS:---samples 2000 --regen-read 4000 --max-length 1024 --regen-max-new-tokens 256 --budget 512MiB \
+      --shard-size-mb 32 --token-budget 8192 --eval-prompts 30 --eval-steps 3 --eval-max-new-tokens 128} 2>&1 \
+      | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v -E "it/s\]|tok/s\]|step/s\]|conv/s\]|prompt/s\]" \
+      > $OUT/streaming.log || true
+  tail -30 $OUT/streaming.log
+  cp /root/stream/streaming_example.jsonl $OUT/ 2>/dev/null || true
+  for m in sequential streamed; do cp /root/stream/$m/eval/eval.json $OUT/${m}_eval.json 2>/dev/null || true; done ;;
 finish)  # call 2 ran out of time: the quickstart resumes where it stopped
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null
   time qs ;;
