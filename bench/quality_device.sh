@@ -144,8 +144,9 @@ streaming)  # issue 34's one-GPU row (stage .stage1-3 and .whl first, as for `ru
   else install; fi
   # shellcheck disable=SC2086
   python3 bench/streaming_example.py --out /root/stream --regenerate /root/sharegpt_prompts.jsonl \
-      ${STREAM_ARGS:---samples 2000 --regen-read 4000 --max-length 1024 --regen-max-new-tokens 256 --budget 512MiB \
-      --shard-size-mb 32 --token-budget 8192 --eval-prompts 30 --eval-steps 3 --eval-max-new-tokens 128} 2>&1 \
+      ${STREAM_ARGS:---samples 2000 --regen-read 4000 --regen-batch-size 1024 --max-length 1024 \
+      --regen-max-new-tokens 256 --budget 512MiB --shard-size-mb 32 --token-budget 8192 --eval-prompts 30 \
+      --eval-steps 3 --eval-max-new-tokens 128} 2>&1 \
       | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v -E "it/s\]|tok/s\]|step/s\]|conv/s\]|prompt/s\]" \
       > $OUT/streaming.log || true
   tail -30 $OUT/streaming.log

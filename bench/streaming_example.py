@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--modes", default="sequential,streamed")
     ap.add_argument("--regenerate", metavar="PROMPTS", help="conversations whose answers the target writes first")
     ap.add_argument("--regen-max-new-tokens", type=int, default=256)
+    ap.add_argument("--regen-batch-size", type=int, default=64, help="rows per generate call (the quickstart: 1024 "
+                    "on a GPU)")
     ap.add_argument("--regen-read", type=int, help="records of PROMPTS read (default 3 x (samples + eval prompts): "
                     "some are skipped or too long, as in the quickstart)")
     ap.add_argument("--eval-prompts", type=int, default=0)
@@ -68,6 +70,8 @@ def main() -> None:
         subprocess.run(eagle3 + ["regenerate", "--engine", "hf", "--target", "example", "--data", a.regenerate,
                                  "--out", regen, "--num-samples", str(read), "--max-turns", "1", "--max-new-tokens",
                                  str(a.regen_max_new_tokens), "--max-prompt-tokens", str(a.max_length // 2),
+                                 "--batch-size", str(a.regen_batch_size), "--batch-tokens",
+                                 str(a.regen_batch_size * (a.max_length // 2 + a.regen_max_new_tokens)),
                                  "--no-progress"], env=env, check=True)
         t_regen = time.perf_counter() - t0
         a.data = os.path.join(regen, "conversations.jsonl")
