@@ -70,6 +70,10 @@ class Spool:
         self._verified: dict[int, BaseException | None] = {}
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        # held by the checker while it reads a shard, and by follow() while a DataLoader forks its workers: a fork
+        # copies every lock another thread holds at that instant (in safetensors, hashlib, a file object) into the
+        # child as held forever, and a worker that then needs one hangs its rank and the whole run
+        self.fork_guard = threading.Lock()
 
     @property
     def data_sha256(self) -> str:
@@ -147,7 +151,8 @@ class Spool:
                     time.sleep(SP.POLL_S)
                 if err is None:
                     try:
-                        self.check_shard(j)
+                        with self.fork_guard:
+                            self.check_shard(j)
                     except BaseException as e:  # noqa: BLE001 - handed to the waiting trainer
                         err = e
                 with self._cond:
@@ -290,4 +295,7 @@ def follow(spool: Spool, plan: WindowPlan, start: int, num_steps: int, world, lo
             raise ContractError(said)
         if not world.is_main:
             spool.adopt_records(shards)
-        yield from loader(plan, a, b - a)
+        batches = loader(plan, a, b - a)
+        with spool.fork_guard:  # the workers fork here, with no shard check mid-read (Spool.fork_guard)
+            batches = iter(batches)
+        yield from batches

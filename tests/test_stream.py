@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -47,8 +48,22 @@ def start_dump(target, data, out, job=0, jobs=1, budget=BUDGET, nproc=1):
     cmd = [*launch, "--target", target, "--data", data, "--out", str(out), "--dtype",
            "fp32", "--shard-size-mb", "0.05", "--spool-budget", budget, "--held-out-fraction", str(FRACTION),
            "--num-jobs", str(jobs), "--job-index", str(job), "--no-progress"]
-    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return _start(cmd, f"dump{job}")
+
+
+def _start(cmd, name):
+    """`cmd` in a session of its own, its output into a file. Not a pipe: a pipe nobody reads fills after 64 KiB
+    and blocks the writer. The trainer, blocked so while the test waited on the dump, never consumed a shard and the
+    dump waited for it (the 2-process follower runs that hung in CI of 1d479dc)."""
+    fd, log = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        p = subprocess.Popen(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    p.log = log
+    _STARTED.append(p)
+    return p
+
+
+_STARTED: list = []  # every process a test started: on a timeout all of them print their stacks
 
 
 def start_train(target, spool, run, *extra):
@@ -57,18 +72,28 @@ def start_train(target, spool, run, *extra):
            "--token-budget", "256", "--lr", "3e-3", "--warmup-steps", "2", "--held-out-fraction", str(FRACTION),
            "--eval-interval", "1000", "--eval-batches", "1", "--num-workers", "1", "--no-progress",
            "--log-interval", "1", "--save-interval", "1000", "--follow", "--delete-consumed", *map(str, extra)]
-    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return _start(cmd, "train")
+
+
+def _output(p):
+    with open(p.log, errors="replace") as f:
+        return f.read()
 
 
 def finish(p, what, timeout=420):
     try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:  # every process of the run prints its threads' stacks (PYTHONFAULTHANDLER)
-        os.killpg(p.pid, signal.SIGABRT)
-        out, _ = p.communicate()
-        raise AssertionError(f"{what} still running after {timeout} s; its stacks:\n{out[-20000:]}") from None
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:  # every live process of the test prints its threads' stacks (PYTHONFAULTHANDLER)
+        live = [q for q in _STARTED if q.poll() is None]
+        for q in live:
+            os.killpg(q.pid, signal.SIGABRT)
+        for q in live:
+            q.wait(timeout=60)
+        raise AssertionError(f"{what} still running after {timeout} s; the stacks of every process left:\n"
+                             + "\n".join(f"==== {q.args[:6]}\n{_output(q)[-12000:]}" for q in live)) from None
+    out = _output(p)
     assert p.returncode == 0, f"{what} failed:\n{out[-5000:]}"
+    os.remove(p.log)
     return out
 
 
