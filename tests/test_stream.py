@@ -52,9 +52,9 @@ def start_dump(target, data, out, job=0, jobs=1, budget=BUDGET, nproc=1):
 
 
 def _start(cmd, name):
-    """`cmd` in a session of its own, its output into a file. Not a pipe: a pipe nobody reads fills after 64 KiB
-    and blocks the writer. The trainer, blocked so while the test waited on the dump, never consumed a shard and the
-    dump waited for it (the 2-process follower runs that hung in CI of 1d479dc)."""
+    """`cmd` in a session of its own, its output into a file. Not a pipe: a pipe nobody reads blocks its writer
+    after 64 KiB, and a test waits on one process while the others run. (The trainer writes ~4.5 KB here, so that
+    is not what stalled the CI of 1d479dc; what did is not established, and a timeout now prints every stack.)"""
     fd, log = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
     with os.fdopen(fd, "w") as f:
         p = subprocess.Popen(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
