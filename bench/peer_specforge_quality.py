@@ -320,7 +320,21 @@ def make_optimizer(sf, model, lr: float, betas, weight_decay: float, grad_clip: 
 TRAIN_KEYS = {"steps": "max_steps", "token_budget": "token_budget", "lr": "lr", "warmup_steps": "warmup_steps",
               "min_lr_ratio": "min_lr_ratio", "ttt": "ttt_steps", "held_out_fraction": "held_out_fraction",
               "seed": "seed", "grad_clip": "grad_clip", "bf16": "bf16", "weight_decay": "weight_decay",
-              "step_decay": "step_decay", "betas": "betas"}
+              "step_decay": "step_decay", "betas": "betas", "loss": "loss", "lk_kl_scale": "lk_kl_scale",
+              "lk_kl_decay": "lk_kl_decay"}
+# our --loss -> OnlineEagle3Model's lk_loss_type (specforge/algorithms/eagle3/model.py, specforge/core/lk_loss.py):
+# "alpha" is -mean log(alpha) over its pairs, "lambda" the KL/acceptance mix with kl_scale and kl_decay, as ours
+SPECFORGE_LK = {"kl": None, "lk": "alpha", "lk-hybrid": "lambda"}
+_PAIRS = "pairs with loss_mask[t+j] and an in-draft-vocab teacher argmax"
+# Its acceptance alpha = sum_v min(p_v, q_v) takes the target's FULL-vocab probabilities of the draft tokens
+# (compact_teacher's target_p_on_draft, not renormalised), ours renormalises them over the draft vocab
+# (train/loss.py Objective): the two agree for a full-vocab drafter and differ by the mass outside a draft vocab.
+LOSS_CONVENTION = {
+    "kl": f"specforge: sum_j decay^j * (sum of soft CE over {_PAIRS}) / (B*T)",
+    "lk": f"specforge lk 'alpha': sum_j decay^j * -(mean over {_PAIRS} of log alpha), alpha from the target's "
+          "full-vocab probabilities of the draft tokens",
+    "lk-hybrid": f"specforge lk 'lambda': sum_j decay^j * (w_j * KL_j + (1 - w_j) * (1 - mean alpha_j)), w_j = "
+                 f"kl_scale * exp(-kl_decay * mean alpha_j) detached, KL_j as for kl, means over {_PAIRS}"}
 
 
 def resolve_settings(a: argparse.Namespace) -> argparse.Namespace:
@@ -388,6 +402,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--weight-decay", type=float, default=None)
     ap.add_argument("--betas", type=lambda s: tuple(float(x) for x in s.split(",")), default=None)
     ap.add_argument("--step-decay", type=float, default=None, help="ploss weight decay over TTT steps (0.8)")
+    ap.add_argument("--loss", default=None, choices=list(SPECFORGE_LK),
+                    help="the objective, run by SpecForge's own code (its lk_loss_type: lk = 'alpha', lk-hybrid = "
+                         "'lambda'); default: --run's, else kl")
+    ap.add_argument("--lk-kl-scale", type=float, default=None, help="--loss lk-hybrid: SpecForge's kl_scale")
+    ap.add_argument("--lk-kl-decay", type=float, default=None, help="--loss lk-hybrid: SpecForge's kl_decay")
     ap.add_argument("--device", default=None, help="default: cuda if available")
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                     help="bf16 model + SpecForge's fp32 masters (default: on a GPU)")
@@ -582,15 +601,17 @@ def main(argv=None) -> dict:
     # ---- SpecForge's model, optimizer and schedule
     embed, head = load_embedding_and_head(a.target)
     draft = build_draft(sf, served, embed, vocab["d2t"], vocab["t2d"], a.attention_backend, device, dtype, a.seed)
-    model = sf.OnlineEagle3Model(draft, length=a.ttt, attention_backend=a.attention_backend).to(device=device,
-                                                                                              dtype=dtype)
+    model = sf.OnlineEagle3Model(draft, length=a.ttt, attention_backend=a.attention_backend,
+                                 lk_loss_type=SPECFORGE_LK[a.loss], kl_scale=a.lk_kl_scale,
+                                 kl_decay=a.lk_kl_decay).to(device=device, dtype=dtype)
     head = head.to(device=device, dtype=dtype)  # SpecForge's TargetHead is bf16 (fp32 with --no-bf16)
     opt = make_optimizer(sf, model, a.lr, a.betas, a.weight_decay, a.grad_clip, total, a.warmup_steps,
                          a.min_lr_ratio)
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     settings = {k: getattr(a, k) for k in ("steps", "token_budget", "lr", "warmup_steps", "min_lr_ratio", "ttt",
                                            "held_out_fraction", "seed", "grad_clip", "weight_decay", "betas",
-                                           "step_decay", "bf16", "attention_backend", "compile")}
+                                           "step_decay", "bf16", "attention_backend", "compile", "loss",
+                                           "lk_kl_scale", "lk_kl_decay")}
     settings["betas"] = list(settings["betas"])
     log(f"[peer] {PEER}: draft {n_params / 1e6:.2f}M trainable params, draft vocab {drafter['draft_vocab_size']}, "
         f"capture HF {manifest.capture.hidden_state_indices}; {len(train_refs)} train / {len(held_refs)} held-out "
@@ -655,8 +676,7 @@ def main(argv=None) -> dict:
             "steps": total, "settings": settings, "dumps": [os.path.abspath(d) for d in a.dump],
             "vocab": os.path.abspath(a.vocab), "train_samples": len(train_refs), "held_out_samples": len(held_refs),
             "tokens": tok_total, "wall_s": wall, "tok_s": tok_total / wall, "final": rec,
-            "loss_convention": "specforge: sum_j decay^j * (sum of soft CE over pairs with loss_mask[t+j] and an "
-                               "in-draft-vocab teacher argmax) / (B*T)"}
+            "loss_convention": LOSS_CONVENTION[a.loss]}
     log(f"[peer] trained {total} steps, {tok_total:,} tokens in {wall:.1f}s: {tok_total / wall:,.0f} tok/s")
     p = export_peer(draft, a.template_export, a.out, info)
     if not a.no_check_export:

@@ -93,8 +93,9 @@ variants)  # issue 29's rows: the base quickstart (EAGLE-3) and each of VARIANTS
   # `bash bench/mla_step.sh`, or `install`).
   #   VARIANTS="e31=--fc-norm --norm-output;mla=--drafter smollm2-135m-mla --fc-norm --norm-output;fcn=--fc-norm"
   #   EXTRA_K="3": every export evaluated at these chain lengths too (eval_k3.json beside the quickstart's own K)
-  #   PEER_ON=fcn: SpecForge 0.2.0 trained with that variant's settings and options (its run.json, a template export
-  #   of its first checkpoint: config and vocab only) on the same dump, evaluated at K and EXTRA_K the same way
+  #   PEER_ON="fcn fcnlk": SpecForge 0.2.0 trained with each named variant's settings, options and objective (its
+  #   run.json, a template export of its first checkpoint: config and vocab only) on the same dump, evaluated at K and
+  #   EXTRA_K the same way (peer_TAG_*)
   if [ ! -f /root/qjob.started ]; then
     install
     rm -rf /root/qsrc && mkdir -p /root/qsrc && cp -r bench configs pyproject.toml /root/qsrc/
@@ -126,14 +127,17 @@ _job)  # the detached body of `variants`
     (Q=$vq QP=${tag}_ QS_ARGS="${QS_ARGS:-} ${v#*=}" qs > /dev/null 2>&1
      for k in $EXTRA_K; do Q=$vq xeval $vq/sglang-drafter ${tag}_ $k; done; touch $OUT/$tag.done) &
   done
-  if [ -n "${PEER_ON:-}" ]; then
-    (pq=${Q}_$PEER_ON
+  for ptag in ${PEER_ON:-}; do  # the peer takes that run's settings, objective (--loss) included, from its run.json
+    (pq=${Q}_$ptag
      until python3 -m eagle3.cli export-sglang --run $pq/run --out $pq/peer-template > /dev/null 2>&1; do sleep 20; done
      python3 bench/peer_specforge_quality.py --run $pq/run --dump $Q/dump --target example \
          --vocab $pq/vocab.safetensors --template-export $pq/peer-template --out $pq/specforge-drafter \
-         --attention-backend flex_attention 2>&1 | tr '\r' '\n' | grep -v "it/s\]" | tail -40 > $OUT/peer_train.log
-     for k in ${K:-7} $EXTRA_K; do Q=$pq xeval $pq/specforge-drafter peer_ $k; done; touch $OUT/peer.done) &
-  fi
+         --attention-backend flex_attention 2>&1 | tr '\r' '\n' | grep -v "it/s\]" | tail -40 \
+         > $OUT/peer_${ptag}_train.log
+     cp $pq/specforge-drafter/peer_metrics.jsonl $OUT/peer_${ptag}_metrics.jsonl || true
+     for k in ${K:-7} $EXTRA_K; do Q=$pq xeval $pq/specforge-drafter peer_${ptag}_ $k; done
+     touch $OUT/peer_$ptag.done) &
+  done
   wait
   touch $OUT/ALL.done ;;
 streaming)  # issue 34's one-GPU row (stage .stage1-3 and .whl first, as for `run`): bench/streaming_example.py on

@@ -191,6 +191,43 @@ def test_same_weights_same_outputs_and_the_loss_difference(our_run):
         assert float(sf_loss) < float(our_loss)                 # the 1/(B*T) mean over a padded, partly masked batch
         assert abs(float(sf_loss) - float(approx)) < 0.25 * float(sf_loss)  # what remains is the 2-token mask shift
 
+        # 5) SpecForge's own LK objectives (what `--loss lk` / `lk-hybrid` select) on the same pairs: alpha from the
+        # target's full-vocab probabilities of the draft tokens (not renormalised, unlike ours), in float64
+        p_full = torch.softmax(th_s.double() @ head.double().T, -1)[..., ours.t2d.bool()]   # [B, T, Dv]
+        mean_alpha, mean_log_alpha = [], []
+        for j, m in enumerate(our_outs):
+            q = torch.softmax(ours.draft_logits(m).double(), -1)
+            alpha = torch.minimum(p_full[:, j:], q[:, : T - j]).sum(-1)
+            valid = (in_vocab & lm_sf.bool())[:, j:]
+            mean_alpha.append(alpha[valid].mean())
+            mean_log_alpha.append(torch.log(alpha[valid]).mean())
+        for mode, ref_j in (("alpha", [-x for x in mean_log_alpha]),
+                            ("lambda", [torch.exp(-a) * kl + (1 - torch.exp(-a)) * (1 - a)
+                                        for a, kl in zip(mean_alpha, ref)])):
+            lk_model = sf.OnlineEagle3Model(draft, length=K, attention_backend="sdpa", lk_loss_type=mode)
+            _, res_lk = peer.step_outputs(lk_model, peer.specforge_inputs(sf, batch, head, "cpu", torch.float32))
+            got = torch.stack([p.double() for p in res_lk[0]])
+            assert torch.allclose(got, torch.stack(ref_j), rtol=1e-4), (mode, got, ref_j)
+            assert not torch.allclose(got, plosses, rtol=1e-2)   # not the KL losses under another name
+
+
+def test_the_objective_comes_from_our_run(our_run, tmp_path):
+    """--loss defaults to --run's objective (SpecForge then runs its own LK code: lk -> 'alpha', lk-hybrid ->
+    'lambda' with our kl_scale / kl_decay); the command line wins; kl without --run."""
+    peer = _script()
+    run = json.load(open(os.path.join(our_run["run"], "run.json")))
+    assert run["train"]["loss"] == "kl"
+    run["train"].update(loss="lk-hybrid", lk_kl_scale=0.5, lk_kl_decay=2.0)
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    base = ["--dump", our_run["dump"], "--target", our_run["target"], "--vocab", "v", "--template-export", "e",
+            "--out", "o", "--device", "cpu"]
+    a = peer.resolve_settings(peer.parse_args(base + ["--run", str(tmp_path)]))
+    assert (peer.SPECFORGE_LK[a.loss], a.lk_kl_scale, a.lk_kl_decay) == ("lambda", 0.5, 2.0)
+    a = peer.resolve_settings(peer.parse_args(base + ["--run", str(tmp_path), "--loss", "lk"]))
+    assert peer.SPECFORGE_LK[a.loss] == "alpha" and "alpha" in peer.LOSS_CONVENTION[a.loss]
+    a = peer.resolve_settings(peer.parse_args(base + ["--steps", "3"]))
+    assert a.loss == "kl" and peer.SPECFORGE_LK[a.loss] is None
+
 
 # ------------------------------------------------------------------------------------------ EAGLE-3.1 templates
 
