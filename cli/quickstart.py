@@ -197,8 +197,9 @@ def run_quickstart(q: QuickstartConfig) -> dict:
     # the longest chain training replays (at every length up to it) and, on a CPU, unrolls
     # On a CPU 2: every 2-core run chose 1 or 2 when lengths up to 5 were weighed (3-5 measured 7-30% slower than the
     # best, a verify of 4-6 tokens costing 1.2-1.6x a one-token forward there), and an unroll of 2 instead of 5 trains
-    # the same drafter at those lengths in 45% of the time: held-out replay 1.32 / 1.40 at 1 / 2 against 1.30 / 1.38,
-    # 385 s against 865 s on a 2-core EPYC (bench/quality.md, "Two draft steps on a CPU").
+    # as good a drafter at those lengths in about half the time: held-out replay 1.32 / 1.40 at 1 / 2 against
+    # 1.30 / 1.38, 428 s against 838 s of training steps on a 2-core EPYC (bench/quality.md, "Two draft steps on a
+    # CPU").
     K = q.draft_steps if q.draft_steps != "auto" else (q.max_draft_steps or (7 if on_gpu else 2))
 
     _stage(1, N, "regenerate: SmolLM2-135M-Instruct writes the answers of ShareGPT conversations (--engine hf)")

@@ -63,22 +63,27 @@ def _timer(device: torch.device):
     return sync
 
 
-def _median_time(fn, sync, repeats: int) -> float:
-    fn()  # warm-up: first calls allocate, compile and fill caches
+def _median_times(pieces: dict, sync, repeats: int) -> dict:
+    """{name: median seconds} of each callable, timed interleaved: every repeat times each piece once, so that a slow
+    spell of a shared machine falls on all of them alike instead of on whichever was being timed then (timed one
+    after the other, a 2-core VM once gave a one-token greedy step 107 ms against a 70 ms loop)."""
+    for fn in pieces.values():
+        fn()  # warm-up: first calls allocate, compile and fill caches
     sync()
-    ts = []
+    ts: dict = {name: [] for name in pieces}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        for name, fn in pieces.items():
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            ts[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in ts.items()}
 
 
 @torch.no_grad()
 def measure_costs(dec, prompt: list[int], max_steps: int, repeats: int = 7) -> dict:
-    """Seconds per piece of a round, medians of `repeats` timings after the prompt is in both caches (dec: a
-    SpeculativeDecoder; the calls are generate's own). Returns {"greedy", "head", "step", "verify": [1..K+1
+    """Seconds per piece of a round, medians of `repeats` interleaved timings after the prompt is in both caches
+    (dec: a SpeculativeDecoder; the calls are generate's own). Returns {"greedy", "head", "step", "verify": [1..K+1
     tokens], "extend": [1..K+1 tokens], "prefill_target", "prefill_drafter", "prompt_tokens"}."""
     dr, dev, target = dec.drafter, dec.device, dec.target
     sync = _timer(dev)
@@ -95,7 +100,7 @@ def measure_costs(dec, prompt: list[int], max_steps: int, repeats: int = 7) -> d
         out = target(input_ids=one, cache=cache, use_cache=True).logits
         int(out[0, -1].argmax())
         cache.crop(-1)
-    costs: dict = {"greedy": _median_time(greedy_step, sync, repeats), "prompt_tokens": P}
+    costs: dict = {"prompt_tokens": P}
     with HiddenStateCapture(dec.backbone, dec.indices) as cap:
         sync()
         t0 = time.perf_counter()
@@ -103,38 +108,43 @@ def measure_costs(dec, prompt: list[int], max_steps: int, repeats: int = 7) -> d
         int(y[-1])
         sync()
         costs["prefill_target"] = time.perf_counter() - t0
-        nxt = torch.tensor([prompt[1:] + [tok]], device=dev)
-        t0 = time.perf_counter()
-        m, dcache = dr.forward_step(dr.project_aux(aux), nxt, torch.arange(P, device=dev)[None], None)
-        sync()
-        costs["prefill_drafter"] = time.perf_counter() - t0
-        h = m[:, -1:]
+    nxt = torch.tensor([prompt[1:] + [tok]], device=dev)
+    t0 = time.perf_counter()
+    m, dcache = dr.forward_step(dr.project_aux(aux), nxt, torch.arange(P, device=dev)[None], None)
+    sync()
+    costs["prefill_drafter"] = time.perf_counter() - t0
+    h = m[:, -1:]
+    pos = torch.tensor([[P]], device=dev)
 
-        def head():
-            int(dr.target_ids(dr.draft_logits(h)[0, -1].argmax()))
-        costs["head"] = _median_time(head, sync, repeats)
-        pos = torch.tensor([[P]], device=dev)
+    def head():
+        int(dr.target_ids(dr.draft_logits(h)[0, -1].argmax()))
 
-        def step():
-            h2, _ = dr.forward_step(h, one, pos, dcache)
-            int(dr.target_ids(dr.draft_logits(h2)[0, -1].argmax()))
-        costs["step"] = _median_time(step, sync, repeats)
-        verify, extend = [], []
-        for n in range(1, max_steps + 2):
-            block = torch.tensor([[tok] * n], device=dev)
+    def step():
+        h2, _ = dr.forward_step(h, one, pos, dcache)
+        int(dr.target_ids(dr.draft_logits(h2)[0, -1].argmax()))
 
-            def verify_n():  # the forward, the host's read of its tokens, and dropping what it appended
-                yy, _, _ = dec._target_forward(block, tcache, cap)
-                yy.tolist()
-                tcache.crop(-n)
-            verify.append(_median_time(verify_n, sync, repeats))
-            a = aux[:, :n] if aux.shape[1] >= n else aux[:, :1].expand(-1, n, -1)
-            epos = torch.arange(P, P + n, device=dev)[None]
+    def verify_n(n: int):  # the forward with generate's capture hooks, the host's read of its tokens, and the crop
+        block = torch.tensor([[tok] * n], device=dev)
 
-            def extend_n():
-                dr.forward_step(dr.project_aux(a), block, epos, dcache)
-            extend.append(_median_time(extend_n, sync, repeats))
-        costs["verify"], costs["extend"] = verify, extend
+        def run():
+            with HiddenStateCapture(dec.backbone, dec.indices) as c:
+                yy, _, _ = dec._target_forward(block, tcache, c)
+            yy.tolist()
+            tcache.crop(-n)
+        return run
+
+    def extend_n(n: int):
+        block = torch.tensor([[tok] * n], device=dev)
+        a = aux[:, :n] if aux.shape[1] >= n else aux[:, :1].expand(-1, n, -1)
+        epos = torch.arange(P, P + n, device=dev)[None]
+        return lambda: dr.forward_step(dr.project_aux(a), block, epos, dcache)
+
+    ns = range(1, max_steps + 2)
+    pieces = {"greedy": greedy_step, "head": head, "step": step,
+              **{f"verify{n}": verify_n(n) for n in ns}, **{f"extend{n}": extend_n(n) for n in ns}}
+    med = _median_times(pieces, sync, repeats)
+    costs.update(greedy=med["greedy"], head=med["head"], step=med["step"],
+                 verify=[med[f"verify{n}"] for n in ns], extend=[med[f"extend{n}"] for n in ns])
     return costs
 
 
@@ -156,25 +166,32 @@ def round_seconds(costs: dict, k: int, rates: list[float]) -> float:
 
 
 @torch.no_grad()
-def calibrate(dec, prompt: list[int], costs: dict, k: int, new_tokens: int = 32) -> None:
-    """Time a short real run of each decoder on `prompt` (greedy, and chain drafting with k drafts) and set
-    costs["greedy"] to the greedy loop's own seconds per token and costs["round_overhead"] to what a real round
-    took beyond its pieces (the pieces' values are kept as costs["greedy_step"] and the run's as
-    costs["calibration"])."""
+def calibrate(dec, prompt: list[int], costs: dict, k: int, new_tokens: int = 32, repeats: int = 3) -> None:
+    """Time short real runs of each decoder on `prompt` (greedy, and chain drafting with k drafts), `repeats` of
+    each, and set costs["greedy"] to the greedy loop's own seconds per token and costs["round_overhead"] to what a
+    real round took beyond its pieces, each the median over the repeats (the pieces' values are kept as
+    costs["greedy_step"] and the runs' as costs["calibration"]). The overhead is the small difference of two large
+    times: one run on a shared 2-core VM put it at 12.9 ms a round where the whole decode ran 7% faster than that
+    predicted (bench/quality.md, "Two draft steps on a CPU"); a median of three drops such a run."""
     sync = _timer(dec.device)
-    sync()
-    t0 = time.perf_counter()
-    toks, _ = dec.greedy(prompt, new_tokens)
-    sync()
-    greedy_loop = (time.perf_counter() - t0 - costs["prefill_target"]) / max(len(toks) - 1, 1)
-    t0 = time.perf_counter()
-    _, st = dec.generate(prompt, new_tokens, k)
-    sync()
-    spec = time.perf_counter() - t0 - costs["prefill_target"] - costs["prefill_drafter"]
-    overhead = spec / max(st.verify_steps, 1) - pieces_seconds(costs, k, accepted_shares(st))
+    loops, overheads, runs = [], [], []
+    for _ in range(max(1, repeats)):
+        sync()
+        t0 = time.perf_counter()
+        toks, _ = dec.greedy(prompt, new_tokens)
+        sync()
+        loops.append((time.perf_counter() - t0 - costs["prefill_target"]) / max(len(toks) - 1, 1))
+        t0 = time.perf_counter()
+        _, st = dec.generate(prompt, new_tokens, k)
+        sync()
+        spec = time.perf_counter() - t0 - costs["prefill_target"] - costs["prefill_drafter"]
+        overheads.append(spec / max(st.verify_steps, 1) - pieces_seconds(costs, k, accepted_shares(st)))
+        runs.append({"greedy_loop_s": loops[-1], "rounds": st.verify_steps, "spec_decode_s": spec,
+                     "round_overhead_s": overheads[-1]})
+    greedy_loop, overhead = statistics.median(loops), statistics.median(overheads)
     costs["greedy_step"], costs["greedy"], costs["round_overhead"] = costs["greedy"], greedy_loop, overhead
     costs["calibration"] = {"draft_steps": k, "new_tokens": new_tokens, "greedy_loop_s": greedy_loop,
-                            "rounds": st.verify_steps, "spec_decode_s": spec, "round_overhead_s": overhead}
+                            "rounds": runs[0]["rounds"], "round_overhead_s": overhead, "runs": runs}
 
 
 def predict(costs: dict, replay: dict[int, dict]) -> dict[int, dict]:

@@ -54,6 +54,37 @@ def test_calibration_terms_by_hand():
     assert CL.pieces_seconds(COSTS, 2, [0.5, 0.3, 0.2]) == pytest.approx(CL.round_seconds(COSTS, 2, rates))
 
 
+def test_calibration_takes_the_median_run(monkeypatch):
+    """Three short runs of each decoder on a scripted clock, the second one slow (a busy neighbour): greedy loop and
+    round overhead are each the median run's, worked out by hand."""
+    import torch
+    from eagle3.train.acceptance import ChainStats
+    clock = [0.0]
+    monkeypatch.setattr(CL.time, "perf_counter", lambda: clock[0])
+
+    class Dec:  # each call advances the clock by its scripted seconds
+        device = torch.device("cpu")
+        greedy_s, spec_s = [60.0 + 50.0, 90.0 + 50.0, 62.0 + 50.0], [80.0 + 55.0, 200.0 + 55.0, 84.0 + 55.0]
+
+        def greedy(self, prompt, n):
+            clock[0] += self.greedy_s.pop(0)
+            return [1] * 7, 7                     # 7 tokens: 6 after the prefill's
+        def generate(self, prompt, n, k):
+            clock[0] += self.spec_s.pop(0)
+            st = ChainStats(2)
+            for acc in (0, 2, 1, 2):              # 4 rounds
+                st.add_round(acc)
+            return [1] * 7, st
+
+    costs = dict(COSTS)
+    CL.calibrate(Dec(), [1, 2, 3], costs, 2)
+    pieces = CL.pieces_seconds(COSTS, 2, [0.25, 0.25, 0.5])
+    assert costs["greedy_step"] == 10.0 and costs["greedy"] == pytest.approx(62.0 / 6)  # runs: 10, 15, 10.33
+    assert costs["round_overhead"] == pytest.approx(84.0 / 4 - pieces)                 # runs: 20, 50, 21 a round
+    assert [r["round_overhead_s"] for r in costs["calibration"]["runs"]] == pytest.approx(
+        [80.0 / 4 - pieces, 200.0 / 4 - pieces, 84.0 / 4 - pieces])
+
+
 def test_choose_prefers_the_shorter_chain_on_a_tie():
     assert CL.choose({1: {"decode_speedup": 1.2}, 2: {"decode_speedup": 1.2}, 3: {"decode_speedup": 1.1}}) == 1
 
