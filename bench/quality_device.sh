@@ -152,10 +152,12 @@ streaming)  # issue 34's one-GPU row (stage .stage1-3 and .whl first, as for `ru
       --regen-max-new-tokens 256 --budget 512MiB --shard-size-mb 32 --token-budget 8192 --eval-prompts 30 \
       --eval-steps 3 --eval-max-new-tokens 128} 2>&1 \
       | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v -E "it/s\]|tok/s\]|step/s\]|conv/s\]|prompt/s\]" \
-      > $OUT/streaming.log || true
+      > $OUT/streaming.log && st=0 || st=$?
   tail -30 $OUT/streaming.log
   cp /root/stream/streaming_example.jsonl $OUT/ 2>/dev/null || true
-  for m in sequential streamed; do cp /root/stream/$m/eval/eval.json $OUT/${m}_eval.json 2>/dev/null || true; done ;;
+  for m in sequential streamed; do cp /root/stream/$m/eval/eval.json $OUT/${m}_eval.json 2>/dev/null || true; done
+  # the call's exit status is the benchmark's (a run that failed at import once came back as rc 0)
+  [ "$st" -eq 0 ] || { echo "bench/streaming_example.py failed (exit $st): streaming.log" >&2; exit "$st"; } ;;
 finish)  # call 2 ran out of time: the quickstart resumes where it stopped
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null
   time qs ;;

@@ -10,13 +10,18 @@ import os
 import sys
 import time
 
-import openai
-from openai import AsyncOpenAI
 from tqdm import tqdm
 
 from eagle3.regenerate.config import RegenConfig
 from eagle3.regenerate.files import CONVERSATIONS, ERRORS, Appender
 from eagle3.regenerate.items import Item, Progress, answer_message, derive_seed, error_record, template_kwargs
+
+
+def _openai():
+    """The client library, imported when a server is used: `--engine hf` (the quickstart, a GPU machine given only
+    the wheels it runs) imports this module but needs no openai."""
+    import openai
+    return openai
 
 
 class ServerError(RuntimeError):
@@ -76,6 +81,8 @@ def probe_servers(cfg: RegenConfig) -> tuple[list[str], str]:
     is bounded as a whole (min(--timeout, 30) s), so a server that trickles its answer cannot hold the start."""
     limit = min(cfg.timeout, 30.0)
 
+    AsyncOpenAI = _openai().AsyncOpenAI
+
     async def models_of(url: str) -> list[str]:
         async with AsyncOpenAI(base_url=url, api_key=_api_key(cfg), max_retries=1, timeout=limit) as c:
             page = await asyncio.wait_for(c.models.list(), timeout=limit)
@@ -121,6 +128,7 @@ def _reasoning_of(message) -> str | None:
 
 async def _request(client, url: str, cfg: RegenConfig, model: str, messages: list[dict], seed: int):
     """One chat completion with retries and exponential backoff on transient failures."""
+    openai = _openai()
     last = None
     for attempt in range(cfg.retries + 1):
         if attempt:
@@ -183,6 +191,7 @@ async def _serve(cfg: RegenConfig, urls: list[str], model: str, items: list[Item
         queue.put_nowait(it)
     down: dict[str, str] = {}
     all_down = asyncio.Event()
+    AsyncOpenAI = _openai().AsyncOpenAI
     clients = {url: AsyncOpenAI(base_url=url, api_key=_api_key(cfg), max_retries=0, timeout=cfg.timeout)
                for url in urls}
 

@@ -704,3 +704,16 @@ def test_server_with_target_records_identity_and_reasoning_reaches_the_dump(thin
     _, _, messages = next(read_conversations([str(data)]))
     ids, mask = render_and_mask(tok, messages, None)
     assert "<think> thinking about" in tok.decode([t for t, k in zip(ids, mask) if k])
+
+
+def test_the_hf_engine_and_the_cli_need_no_openai():
+    """`--engine hf` (the quickstart; a GPU machine given only the wheels it runs) imports the regenerate job and the
+    CLI without the openai package: a machine without it stopped the one-GPU streaming benchmark at import. Asking
+    for a server there names what is missing."""
+    code = ("import sys; sys.modules['openai'] = None\n"
+            "import eagle3.regenerate.job, eagle3.cli.main, eagle3.cli.quickstart\n"
+            "from eagle3.regenerate.server_client import _openai\n"
+            "try:\n    _openai()\nexcept ImportError as e:\n    print('refused:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "refused:" in r.stdout and "openai" in r.stdout
