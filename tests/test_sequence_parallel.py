@@ -189,11 +189,11 @@ def test_training_with_sequence_parallel_2_equals_one_process(tiny_dump, tiny_ta
     (--aux-noise too: the group's ranks draw the same noise for their one batch). So are one process's with
     `--piece-tokens 24`, every batch in pieces of ~24 tokens (its earlier pieces' gradients reach ZeRO-2's buckets
     through the engine's backward)."""
-    from test_train import launch, metrics
+    from test_train import launch, metrics, run_here
     args = ("--zero-stage", "2", "--max-steps", 4, "--save-interval", 4, *path)
-    launch(1, tiny_dump, tiny_targets["llama"], tmp_path / "one", *args)
+    run_here(tiny_dump, tiny_targets["llama"], tmp_path / "one", *args)
     launch(2, tiny_dump, tiny_targets["llama"], tmp_path / "sp2", *args, "--sequence-parallel", 2)
-    launch(1, tiny_dump, tiny_targets["llama"], tmp_path / "pieces3", *args, "--piece-tokens", 24)
+    run_here(tiny_dump, tiny_targets["llama"], tmp_path / "pieces3", *args, "--piece-tokens", 24)
     a, c = metrics(tmp_path / "one"), metrics(tmp_path / "pieces3")
     assert [r["step"] for r in c] == [1, 2, 3, 4]
     for ra, rc in zip(a, c):
