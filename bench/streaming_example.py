@@ -10,7 +10,8 @@ in both: the trainer's split with seed 0 is the spool's), as JSON lines.
 quality_i_h200_regen_conversations.jsonl.gz, written by `eagle3 regenerate` on an H100, 2026-12-06).
 `--regenerate PROMPTS`: the target first writes the answers of the first `--samples` + `--eval-prompts` records of
 PROMPTS (`eagle3 regenerate --engine hf`, timed once: both modes start from it, so its seconds are added to both
-walls). `--eval-prompts N` (> 0): each mode's last checkpoint is exported (`eagle3 export-sglang`) and decoded by
+walls; a later call with the same --out, e.g. one mode per call, resumes it and counts the first call's time).
+`--eval-prompts N` (> 0): each mode's last checkpoint is exported (`eagle3 export-sglang`) and decoded by
 `eagle3 eval` on the N records after the trained ones (answers no run trained on), `--eval-steps` drafts a round;
 the wall then runs to the evaluated export.
 """
@@ -65,6 +66,7 @@ def main() -> None:
     t_regen = 0.0
     if a.regenerate:  # one regeneration, timed, that both modes start from
         regen = os.path.join(a.out, "regen")
+        timed = os.path.join(a.out, "regenerate_s.json")  # a later call (--modes streamed) reuses the first's time
         t0 = time.perf_counter()
         read = a.regen_read or 3 * (a.samples + a.eval_prompts)
         subprocess.run(eagle3 + ["regenerate", "--engine", "hf", "--target", "example", "--data", a.regenerate,
@@ -74,6 +76,11 @@ def main() -> None:
                                  str(a.regen_batch_size * (a.max_length // 2 + a.regen_max_new_tokens)),
                                  "--no-progress"], env=env, check=True)
         t_regen = time.perf_counter() - t0
+        if os.path.exists(timed):  # the regeneration was finished by an earlier call: its own time counts
+            t_regen = json.load(open(timed))["regenerate_s"]
+        else:
+            with open(timed, "w") as f:
+                json.dump({"regenerate_s": t_regen}, f)
         a.data = os.path.join(regen, "conversations.jsonl")
     data = a.data
     if data.endswith(".gz"):
