@@ -19,7 +19,9 @@
 #           finishes the quickstart if call 2 ran out of time (it resumes), then trains SpecForge's drafter on the same
 #           dump with the same settings (bench/peer_specforge_quality.py) and evaluates both exports the same way.
 #   streaming (issue 34, after the three staging calls): carry .whl   command: bash bench/quality_device.sh streaming
-#           (STREAM_ARGS replaces bench/streaming_example.py's arguments; results: streaming_example.jsonl)
+#           (STREAM_ARGS replaces bench/streaming_example.py's arguments; results: streaming_example.jsonl; a row
+#           larger than one call runs one mode per call, `--modes sequential` then `--modes streamed` with the same
+#           other arguments: the second call reuses the first's regeneration and its time)
 # QS_ARGS adds quickstart flags (e.g. "--num-samples 4000 --train-steps 1500").
 set -euo pipefail
 export WANDB_MODE=disabled PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
