@@ -1,4 +1,5 @@
-"""The trainer inside the real DeepSpeed engine: launched by the `deepspeed` launcher with 2 CPU processes."""
+"""The trainer inside the real DeepSpeed engine: launched by the `deepspeed` launcher with 2 CPU processes, and its
+one-process runs in the test's own process (run_here)."""
 
 import json
 import os
@@ -123,7 +124,7 @@ def test_refusals(zero2_run, tiny_dump, tiny_targets, convs, tmp_path):
         run_here(tiny_dump, tiny_targets["deepseek_v3"], tmp_path / "a", "--max-steps", 1)
     # an existing run is not overwritten, and nothing of it is touched
     before = open(os.path.join(zero2_run, "metrics.jsonl")).read()
-    with pytest.raises(Exception, match="already holds a training run"):
+    with pytest.raises(ValueError, match="already holds a training run"):
         run_here(tiny_dump, tiny_targets["llama"], zero2_run, "--max-steps", 1)
     assert open(os.path.join(zero2_run, "metrics.jsonl")).read() == before
     # resuming with dumps of another capture set
