@@ -7,7 +7,7 @@ DIR/ holds
                            computed from the checkpoint's recorded capture with the serving rules of
                            `eagle3.serving` for the target family and the SGLang release targeted;
   model.safetensors        exactly the tensors of docs/contract.md §6 (fc, midlayer.*, norm, lm_head in bf16;
-                           d2t int64; t2d bool);
+                           d2t int64; t2d bool; a full-vocab drafter for vLLM without d2t/t2d);
   eagle3_provenance.json   what was exported from where, for which engine/release, and what that server captures.
 
 Everything is checked before anything is written; the files go to a temporary directory that is renamed into place,
@@ -35,7 +35,7 @@ from eagle3 import contract as C
 from eagle3 import serving as S
 from eagle3.atomic import replaced_dir
 from eagle3.model import DrafterConfig, architecture, tensor_shapes
-from eagle3.model.checkpoint import EXPORT_DTYPE, check_tensors, draft_config, load_export
+from eagle3.model.checkpoint import EXPORT_DTYPE, check_tensors, draft_config, load_export, omits_vocab_map
 from eagle3.options import opt
 from eagle3.records import (CKPT_FILE, DRAFTER_WEIGHTS_FILE, EXPORT_CONFIG_FILE as CONFIG_FILE, EXPORT_FILES,
                             EXPORT_FORMAT, EXPORT_WEIGHTS_FILE as WEIGHTS_FILE, MEANING_KEY, PROVENANCE_FILE, RUN_FILE,
@@ -222,6 +222,8 @@ def export_drafter(run_dir: str, out_dir: str, step: int | None = None, engine: 
         raise C.ContractError(f"internal: ids {ids} make {engine} capture {served}, not the trained HF {capture}")
 
     shapes = tensor_shapes(dcfg)
+    if omits_vocab_map(dcfg, engine):  # vLLM refuses a full-vocab drafter's d2t (eagle3.model.checkpoint)
+        shapes = {k: v for k, v in shapes.items() if k not in ("d2t", "t2d")}
     tensors = {k: (weights[k].to(EXPORT_DTYPE) if weights[k].is_floating_point() else weights[k]).contiguous()
                for k in shapes}
     check_tensors(tensors, shapes, "the converted tensors", float_dtype=EXPORT_DTYPE, architecture=arch)

