@@ -11,14 +11,15 @@ measured, neither assumed:
   positions, and the baseline's one-token greedy step.
 
 One round of a chain of k (eval/speculative.py) costs
-    round(k) = head + (k - 1) * step + verify(k + 1) + sum_n P_k(n) * extend(n + 1) + overhead
+    round(k) = head + (k - 1) * step + verify(k + 1) + sum_n P_k(n) * extend(n + 1) + overhead(k)
 where P_k(n) is the replay's probability that a round accepts n drafts; it yields tau_k tokens. Decoding then runs
 at tau_k / round(k) tokens per second against 1 / greedy for the target alone, so the predicted decode speedup is
     speedup(k) = tau_k * greedy / round(k),
-and the choice is the k that maximises it. `overhead` and `greedy` come from a short real run of each decoder on
-the same prompt (`calibrate`): the pieces, timed one by one after the prompt, missed what the loops themselves cost
-(their Python, the context growing as they decode): a chain of 2's rounds ran 9% over their pieces and the greedy
-loop 4% over its step on the 2-core CPU (bench/quality.md), which made the prediction that much optimistic.
+and the choice is the k that maximises it. `overhead` (at each k) and `greedy` come from short real runs of each
+decoder on the same prompt (`calibrate`): the pieces, timed one by one after the prompt, missed what the loops
+themselves cost (their Python, the context growing as they decode): a chain of 2's rounds ran 9% over their pieces
+and the greedy loop 4% over its step on the 2-core CPU (bench/quality.md), which made the prediction that much
+optimistic.
 Prefill (the prompt's forward, and the drafter's over the prompt) is paid once per prompt by both decoders and is
 left out of the choice; the whole-run prediction adds it back from the prompts' lengths (`predict_run`), so it is
 compared against the same wall clock `eagle3 eval` reports.
@@ -161,37 +162,49 @@ def pieces_seconds(costs: dict, k: int, p: list[float]) -> float:
 
 
 def round_seconds(costs: dict, k: int, rates: list[float]) -> float:
-    """Predicted seconds of one round of a chain of k (module docstring)."""
-    return pieces_seconds(costs, k, accepted_distribution(rates[:k])) + costs.get("round_overhead", 0.0)
+    """Predicted seconds of one round of a chain of k (module docstring): its pieces plus the overhead calibrated at
+    that length (`calibrate`; none before calibration)."""
+    overhead = costs.get("round_overhead") or [0.0] * k
+    return pieces_seconds(costs, k, accepted_distribution(rates[:k])) + overhead[k - 1]
 
 
 @torch.no_grad()
-def calibrate(dec, prompt: list[int], costs: dict, k: int, new_tokens: int = 32, repeats: int = 3) -> None:
-    """Time short real runs of each decoder on `prompt` (greedy, and chain drafting with k drafts), `repeats` of
-    each, and set costs["greedy"] to the greedy loop's own seconds per token and costs["round_overhead"] to what a
-    real round took beyond its pieces, each the median over the repeats (the pieces' values are kept as
-    costs["greedy_step"] and the runs' as costs["calibration"]). The overhead is the small difference of two large
-    times: one run on a shared 2-core VM put it at 12.9 ms a round where the whole decode ran 7% faster than that
-    predicted (bench/quality.md, "Two draft steps on a CPU"); a median of three drops such a run."""
+def calibrate(dec, prompt: list[int], costs: dict, max_k: int, new_tokens: int = 32, repeats: int = 3) -> None:
+    """Time short real runs of each decoder on `prompt`, `repeats` of each: greedy, and chain drafting at every
+    length 1..max_k, interleaved (every repeat runs each once, so that a slow spell of a shared machine falls on all
+    of them alike). Sets costs["greedy"] to the greedy loop's own seconds per token and costs["round_overhead"][k - 1]
+    to what a real round of k took beyond its pieces, each the median over the repeats (the pieces' greedy step is
+    kept as costs["greedy_step"] and the runs as costs["calibration"]).
+    Why every length: what the loop adds to its pieces grows with the chain (a draft step's Python and its host read
+    of the token are in the pieces, but not the loop around them); one length's overhead carried to the others made
+    rounds of 3-5 drafts cost 10-17% more than predicted on the 2-core Xeon, and put a chain of 1 at 19 ms over its
+    pieces where its rounds ran ~10 ms over on the EPYC (bench/quality.md). The overhead is the small difference of
+    two large times: one run on a shared 2-core VM put it at 12.9 ms a round where the whole decode ran 7% faster
+    than that predicted; a median of three drops such a run."""
     sync = _timer(dec.device)
-    loops, overheads, runs = [], [], []
+    ks = range(1, max_k + 1)
+    loops, overheads, runs = [], {k: [] for k in ks}, []
     for _ in range(max(1, repeats)):
         sync()
         t0 = time.perf_counter()
         toks, _ = dec.greedy(prompt, new_tokens)
         sync()
         loops.append((time.perf_counter() - t0 - costs["prefill_target"]) / max(len(toks) - 1, 1))
-        t0 = time.perf_counter()
-        _, st = dec.generate(prompt, new_tokens, k)
-        sync()
-        spec = time.perf_counter() - t0 - costs["prefill_target"] - costs["prefill_drafter"]
-        overheads.append(spec / max(st.verify_steps, 1) - pieces_seconds(costs, k, accepted_shares(st)))
-        runs.append({"greedy_loop_s": loops[-1], "rounds": st.verify_steps, "spec_decode_s": spec,
-                     "round_overhead_s": overheads[-1]})
-    greedy_loop, overhead = statistics.median(loops), statistics.median(overheads)
-    costs["greedy_step"], costs["greedy"], costs["round_overhead"] = costs["greedy"], greedy_loop, overhead
-    costs["calibration"] = {"draft_steps": k, "new_tokens": new_tokens, "greedy_loop_s": greedy_loop,
-                            "rounds": runs[0]["rounds"], "round_overhead_s": overhead, "runs": runs}
+        run = {"greedy_loop_s": loops[-1], "chains": []}
+        for k in ks:
+            t0 = time.perf_counter()
+            _, st = dec.generate(prompt, new_tokens, k)
+            sync()
+            spec = time.perf_counter() - t0 - costs["prefill_target"] - costs["prefill_drafter"]
+            overheads[k].append(spec / max(st.verify_steps, 1) - pieces_seconds(costs, k, accepted_shares(st)))
+            run["chains"].append({"draft_steps": k, "rounds": st.verify_steps, "spec_decode_s": spec,
+                                  "round_overhead_s": overheads[k][-1]})
+        runs.append(run)
+    greedy_loop = statistics.median(loops)
+    costs["greedy_step"], costs["greedy"] = costs["greedy"], greedy_loop
+    costs["round_overhead"] = [statistics.median(overheads[k]) for k in ks]
+    costs["calibration"] = {"max_draft_steps": max_k, "new_tokens": new_tokens, "greedy_loop_s": greedy_loop,
+                            "round_overhead_s": costs["round_overhead"], "runs": runs}
 
 
 def predict(costs: dict, replay: dict[int, dict]) -> dict[int, dict]:

@@ -301,7 +301,7 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     choice = None
     if auto:
         costs = CL.measure_costs(dec, prompts[0], max(replay))
-        CL.calibrate(dec, prompts[0], costs, min(2, max(replay)))
+        CL.calibrate(dec, prompts[0], costs, max(replay))
         predictions = CL.predict(costs, replay)
         draft_steps = CL.choose(predictions)
         choice = {"mode": "auto", "costs_s": costs, "chosen": draft_steps,

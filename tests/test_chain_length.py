@@ -49,40 +49,50 @@ def test_calibration_terms_by_hand():
     assert CL.accepted_shares(st) == pytest.approx([3 / 7, 1 / 7, 1 / 7, 2 / 7])
     # a measured loop overhead is paid by every round, on top of its pieces
     rates = [0.5, 0.4, 0.3]
-    assert CL.round_seconds({**COSTS, "round_overhead": 2.5}, 2, rates) == pytest.approx(
-        CL.round_seconds(COSTS, 2, rates) + 2.5)
+    assert CL.round_seconds({**COSTS, "round_overhead": [1.0, 2.5, 4.0]}, 2, rates) == pytest.approx(
+        CL.round_seconds(COSTS, 2, rates) + 2.5)          # the overhead calibrated at that chain length
+    assert CL.round_seconds({**COSTS, "round_overhead": [1.0, 2.5, 4.0]}, 3, rates) == pytest.approx(
+        CL.round_seconds(COSTS, 3, rates) + 4.0)
     assert CL.pieces_seconds(COSTS, 2, [0.5, 0.3, 0.2]) == pytest.approx(CL.round_seconds(COSTS, 2, rates))
 
 
-def test_calibration_takes_the_median_run(monkeypatch):
-    """Three short runs of each decoder on a scripted clock, the second one slow (a busy neighbour): greedy loop and
-    round overhead are each the median run's, worked out by hand."""
+def test_calibration_takes_the_median_run_at_every_length(monkeypatch):
+    """Three short runs of greedy and of chains of 1 and 2 on a scripted clock, interleaved, the second repeat slow (a
+    busy neighbour): the greedy loop and each length's round overhead are the median run's, worked out by hand."""
     import torch
     from eagle3.train.acceptance import ChainStats
     clock = [0.0]
     monkeypatch.setattr(CL.time, "perf_counter", lambda: clock[0])
+    calls = []
 
-    class Dec:  # each call advances the clock by its scripted seconds
+    class Dec:  # each call advances the clock by its scripted seconds (prefills: 50 target, 5 drafter)
         device = torch.device("cpu")
-        greedy_s, spec_s = [60.0 + 50.0, 90.0 + 50.0, 62.0 + 50.0], [80.0 + 55.0, 200.0 + 55.0, 84.0 + 55.0]
+        greedy_s = [60.0 + 50.0, 90.0 + 50.0, 62.0 + 50.0]
+        spec_s = {1: [30.0 + 55.0, 70.0 + 55.0, 33.0 + 55.0], 2: [80.0 + 55.0, 200.0 + 55.0, 84.0 + 55.0]}
 
         def greedy(self, prompt, n):
+            calls.append("greedy")
             clock[0] += self.greedy_s.pop(0)
             return [1] * 7, 7                     # 7 tokens: 6 after the prefill's
         def generate(self, prompt, n, k):
-            clock[0] += self.spec_s.pop(0)
-            st = ChainStats(2)
-            for acc in (0, 2, 1, 2):              # 4 rounds
+            calls.append(k)
+            clock[0] += self.spec_s[k].pop(0)
+            st = ChainStats(k)
+            for acc in ((0, 2, 1, 2) if k == 2 else (0, 1, 1)):  # 4 rounds at 2, 3 rounds at 1
                 st.add_round(acc)
             return [1] * 7, st
 
     costs = dict(COSTS)
     CL.calibrate(Dec(), [1, 2, 3], costs, 2)
-    pieces = CL.pieces_seconds(COSTS, 2, [0.25, 0.25, 0.5])
+    assert calls == ["greedy", 1, 2] * 3                                                  # interleaved
+    pieces1, pieces2 = CL.pieces_seconds(COSTS, 1, [1 / 3, 2 / 3]), CL.pieces_seconds(COSTS, 2, [0.25, 0.25, 0.5])
     assert costs["greedy_step"] == 10.0 and costs["greedy"] == pytest.approx(62.0 / 6)  # runs: 10, 15, 10.33
-    assert costs["round_overhead"] == pytest.approx(84.0 / 4 - pieces)                 # runs: 20, 50, 21 a round
-    assert [r["round_overhead_s"] for r in costs["calibration"]["runs"]] == pytest.approx(
-        [80.0 / 4 - pieces, 200.0 / 4 - pieces, 84.0 / 4 - pieces])
+    assert costs["round_overhead"] == pytest.approx([33.0 / 3 - pieces1, 84.0 / 4 - pieces2])  # runs: 10/23.3/11, 20/50/21
+    assert [r["chains"][1]["round_overhead_s"] for r in costs["calibration"]["runs"]] == pytest.approx(
+        [80.0 / 4 - pieces2, 200.0 / 4 - pieces2, 84.0 / 4 - pieces2])
+    # the prediction at each length adds that length's overhead
+    rates = [0.5, 0.4]
+    assert CL.round_seconds(costs, 1, rates) == pytest.approx(CL.round_seconds(COSTS, 1, rates) + 33.0 / 3 - pieces1)
 
 
 def test_choose_prefers_the_shorter_chain_on_a_tie():
@@ -167,8 +177,11 @@ def test_eval_auto_measures_predicts_and_chooses(best_export, tmp_path):
     assert len(costs["verify"]) == len(costs["extend"]) == 5
     assert all(x > 0 for x in [costs["greedy"], costs["head"], costs["step"], *costs["verify"], *costs["extend"]])
     cal = costs["calibration"]  # a short real run of each decoder set the greedy step and the rounds' overhead
-    assert cal["rounds"] > 0 and costs["greedy"] == cal["greedy_loop_s"] > 0 and costs["greedy_step"] > 0
-    assert costs["round_overhead"] == cal["round_overhead_s"] and math.isfinite(cal["round_overhead_s"])
+    assert costs["greedy"] == cal["greedy_loop_s"] > 0 and costs["greedy_step"] > 0
+    assert costs["round_overhead"] == cal["round_overhead_s"] and len(cal["round_overhead_s"]) == 4  # every length
+    assert all(math.isfinite(x) for x in cal["round_overhead_s"])
+    assert [c["draft_steps"] for c in cal["runs"][0]["chains"]] == [1, 2, 3, 4]
+    assert all(c["rounds"] > 0 for r in cal["runs"] for c in r["chains"])
     assert math.isfinite(c["predicted_speedup"]) and c["predicted_speedup"] > 0
     assert len(rep["acceptance_rate_per_position"]) == c["chosen"]
     written = json.load(open(tmp_path / "eval" / "eval.json"))
