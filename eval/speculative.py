@@ -42,7 +42,7 @@ from eagle3.options import TRUST_REMOTE_CODE_HELP, opt
 from eagle3.target.capture import HiddenStateCapture
 from eagle3.target.load import (DTYPES, find_backbone, load_target, load_tokenizer, read_config, target_info,
                                 text_config_dict, tokenizer_info)
-from eagle3.target.prepack import prepack_linears
+from eagle3.target.prepack import choose_one_row_path, prepack_linears
 from eagle3.train.acceptance import ChainStats  # one round bookkeeping for eval and training's replay
 
 
@@ -245,6 +245,21 @@ class EvalConfig:
     progress: bool = True  # no flag
 
 
+def _one_token_step(target, prompt: list[int], dev: torch.device):
+    """A callable running the target's one-token forward after `prompt`, as target-only greedy decoding does (its
+    cache cropped back after each call, so every call sees the same context)."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(input_ids=torch.tensor([prompt], device=dev), cache=cache, use_cache=True)
+    one = torch.tensor([[prompt[-1]]], device=dev)
+
+    def step():
+        target(input_ids=one, cache=cache, use_cache=True)
+        cache.crop(-1)
+    return step
+
+
 def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: int | str = EvalConfig.draft_steps,
              max_new_tokens: int = EvalConfig.max_new_tokens, num_prompts: int | None = EvalConfig.num_prompts,
              out: str | None = EvalConfig.out, dtype: str = EvalConfig.dtype, device: str | None = EvalConfig.device,
@@ -291,9 +306,11 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     target = load_target(target_dir, tdtype, dev)
     backbone = find_backbone(target, info.num_hidden_layers)
     drafter = load_drafter_from_export(export_dir, target.get_input_embeddings().weight, tdtype, dev, export=export)
-    packed = 0
+    packed, one_row = 0, None
     if prepack and dev.type == "cpu" and tdtype == torch.float32:
         packed = prepack_linears(target, rows_hint=draft_steps + 1) + prepack_linears(drafter, rows_hint=1)
+        # the baseline's step decides the target's one-row path: greedy must run as fast as it can here
+        one_row = choose_one_row_path(target, _one_token_step(target, prompts[0], dev))
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     gen_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
@@ -345,6 +362,8 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
         "baseline_tokens_per_s": base_tokens / base_time if base_time else 0.0,
         "spec_tokens_per_s": total.new_tokens / spec_time if spec_time else 0.0,
         "prepacked_linears": packed,
+        # the target's one-row path as its one-token step measured it (target/prepack.py choose_one_row_path)
+        "one_row_path": one_row,
         # of those, the ones whose one-row calls (the baseline's steps, the drafter's) run plain: faster here
         "one_row_plain_linears": sum(bool(getattr(m, "_plain_single_row", False))
                                      for model in (target, drafter) for m in model.modules()),

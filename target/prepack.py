@@ -7,7 +7,9 @@ win. Packing each weight once into oneDNN's blocked layout -- what torch.compile
 the same forwards to 67 vs 50 ms. The baseline and the speculative decoder share the packed target, so the
 speedup `eagle3 eval` reports still compares like with like. One-row calls (target-only greedy, the drafter's
 steps) run whichever of the plain and the packed matmul is faster on this machine, timed per weight shape: a Xeon
-with AMX ran them faster plain, and target-only greedy should be the fastest it can be here.
+with AMX ran them faster plain, and target-only greedy should be the fastest it can be here. The target's one-row
+path is then settled by timing its whole one-token step (`choose_one_row_path`): the per-shape timings alone picked
+a slower forward.
 
 Inference only (no autograd), float32 only (bf16 packing needs CPU bf16 instructions these machines may lack),
 CPU only. The module keeps its `weight` (tied embeddings, get_output_embeddings and state_dict are unchanged);
@@ -16,7 +18,10 @@ only its forward is replaced. Each packed Linear is checked against `F.linear` o
 
 from __future__ import annotations
 
+import statistics
+import time
 import types
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -90,3 +95,43 @@ def prepack_linears(model: nn.Module, rows_hint: int = 8, check: bool = True, si
                 raise RuntimeError(f"oneDNN prepacked linear disagrees with F.linear on a {tuple(w.shape)} weight "
                                    f"(max |diff| {(got - want).abs().max().item():.3g}); run with --no-prepack")
     return len(todo)
+
+
+def choose_one_row_path(model: nn.Module, one_row_step: Callable[[], object], repeats: int = 15) -> dict:
+    """Settle the one-row path of every packed Linear in `model` by timing the model's own one-row step
+    (`one_row_step`: e.g. the target's one-token forward with its cache, what target-only greedy decoding repeats):
+    the per-shape choices of `prepack_linears(single_row="auto")`, every one-row call plain, and every one packed,
+    interleaved (each repeat runs each once), each the median of `repeats`; the fastest is kept. Returns {"chosen",
+    "median_s": {name: seconds}, "one_row_plain": how many Linears then run one-row calls plain}.
+    Why: the per-shape timings, each weight alone in a hot loop, did not add up to the fastest forward. On a 2-core
+    EPYC (2026-12-08) they marked 210 of the example target's 211 Linears plain, whose one-token step then ran at a
+    median 87.7 and 101.4 ms in two processes against 85.7 and 97.7 ms all packed; and from one process to the next
+    they marked 150 to 210 of the 211 plain (126 to 219 of the target's and the drafter's 220 in three `eagle3 eval`
+    processes minutes apart, whose greedy baselines ran at 10.0 to 12.4 tok/s): a speedup measured against a slow
+    baseline is flattered by it."""
+    mods = [m for m in model.modules() if hasattr(m, "_plain_rows")]
+    if not mods:
+        return {"chosen": None, "median_s": {}, "one_row_plain": 0}
+    per_shape = {id(m): m._plain_rows for m in mods}
+    paths = {"per_shape": lambda m: per_shape[id(m)], "plain": lambda m: per_shape[id(m)] | {1},
+             "packed": lambda m: per_shape[id(m)] - {1}}
+
+    def use(name: str) -> None:
+        for m in mods:
+            m._plain_rows = frozenset(paths[name](m))
+            m._plain_single_row = 1 in m._plain_rows
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    with torch.no_grad():
+        for name in paths:  # warm-up: oneDNN picks its kernels on a path's first calls
+            use(name)
+            one_row_step()
+        for _ in range(max(1, repeats)):
+            for name in paths:
+                use(name)
+                t0 = time.perf_counter()
+                one_row_step()
+                times[name].append(time.perf_counter() - t0)
+    median = {name: statistics.median(v) for name, v in times.items()}
+    chosen = min(median, key=median.get)
+    use(chosen)
+    return {"chosen": chosen, "median_s": median, "one_row_plain": sum(m._plain_single_row for m in mods)}

@@ -88,6 +88,9 @@ def test_speculative_decoding_is_lossless_and_accepts(word_target, distilled, ex
     assert pooled.rates == rep["acceptance_rate_per_position"]
     assert rep["prepacked_linears"] > 0 and rep["spec_tokens_per_s"] > 0  # CPU fp32: oneDNN prepacked weights
     assert 0 <= rep["one_row_plain_linears"] <= rep["prepacked_linears"]
+    # the target's one-row path settled by its own one-token step: the kept path is the fastest median
+    path = rep["one_row_path"]
+    assert path["chosen"] == min(path["median_s"], key=path["median_s"].get) and len(path["median_s"]) == 3
 
 
 def test_an_export_with_shifted_ids_accepts_clearly_less(word_target, distilled, trained_export, tmp_path):

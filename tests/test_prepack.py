@@ -105,3 +105,36 @@ def test_auto_times_every_row_count_and_each_call_takes_its_faster_path(monkeypa
             want = x.double() @ lin.weight.double().T + lin.bias.double()
             assert torch.allclose(got.double(), want, atol=1e-4)
     assert calls == ["plain", "plain", "packed", "packed"]
+
+
+def test_the_one_row_path_is_settled_by_the_whole_step(monkeypatch):
+    """choose_one_row_path times the model's own one-row step under the per-shape choices, all plain and all packed,
+    interleaved, on a scripted clock (a step costs 5 s per Linear running one row plain, 3 s per packed one, and
+    the 2nd repeat of 'packed' is slow): it keeps all packed (the median's, not the slow run's), leaves the
+    multi-row choices as they were, and the calls then take that path."""
+    import eagle3.target.prepack as P
+    monkeypatch.setattr(P, "_plain_is_faster", lambda w, packed, rows: rows <= 2)  # per shape: plain at 1, 2 rows
+    m = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64))
+    prepack_linears(m, rows_hint=4, single_row="auto", check=False)
+    clock, order, spell = [0.0], [], iter([0.0, 0.0, 100.0, 0.0])  # packed: warm-up, repeats 1-3
+    monkeypatch.setattr(P.time, "perf_counter", lambda: clock[0])
+
+    def step():
+        plain = sum(lin._plain_single_row for lin in m)
+        order.append(plain)
+        clock[0] += 5.0 * plain + 3.0 * (len(m) - plain) + (next(spell) if plain == 0 else 0.0)
+    got = P.choose_one_row_path(m, step, repeats=3)
+    assert got["chosen"] == "packed" and got["one_row_plain"] == 0
+    assert got["median_s"] == {"per_shape": 10.0, "plain": 10.0, "packed": 6.0}
+    assert order == [2, 2, 0] * 4                     # warm-up, then 3 repeats, each path once per repeat
+    assert all(lin._plain_rows == frozenset({2}) and not lin._plain_single_row for lin in m)
+    monkeypatch.undo()
+    calls = []
+    _count_paths(monkeypatch, calls)
+    with torch.no_grad():
+        for rows in (1, 2, 3):
+            x = torch.randn(rows, 64)
+            assert torch.allclose(m[0](x).double(), x.double() @ m[0].weight.double().T + m[0].bias.double(),
+                                  atol=1e-4)
+    assert calls == ["packed", "plain", "packed"]
+    assert P.choose_one_row_path(nn.Linear(4, 4), lambda: None)["chosen"] is None   # nothing packed: nothing to do
