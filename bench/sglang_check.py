@@ -28,8 +28,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-STEPS = 4      # draft steps after the prefix
-PREFIX = 9     # prefix positions (step 0 "extend")
+from engine_check import PREFIX, STEPS, causal, compare_parameters, gqa_attention, reference_drafter, run
 
 
 class _Warnings(logging.Handler):
@@ -114,18 +113,9 @@ def check_load(model, tensors: dict[str, torch.Tensor], layout: str) -> dict:
         model.load_weights(list(tensors.items()))
     finally:
         logging.getLogger("sglang").removeHandler(handler)
-    expect = expected_params(tensors, layout)
     problems = [m for m in handler.messages if "skipping" in m or "unexpected" in m]
-    for name, (value, parts) in expect.items():
-        p = params.get(name)
-        if p is None:
-            problems.append(f"{parts} -> {name}: no such SGLang parameter")
-            continue
-        got = p.detach()[: value.shape[0]]  # vocab rows may be padded
-        if got.shape != value.shape or not torch.equal(got, value.to(got.dtype)):
-            problems.append(f"{parts} -> {name}: values differ after load_weights")
-    unwritten = [n for n in params if n not in expect and "embed_tokens" not in n]
-    problems += [f"SGLang parameter {n} has no exported tensor" for n in unwritten]
+    expect = expected_params(tensors, layout)
+    problems += compare_parameters(params, expect, "SGLang")
     hot = getattr(model, "hot_token_id", None)
     if hot is None or not torch.equal(hot.cpu(), tensors["d2t"] + torch.arange(tensors["d2t"].numel())):
         problems.append("hot_token_id != d2t + arange (the draft -> target id map)")
@@ -134,24 +124,11 @@ def check_load(model, tensors: dict[str, torch.Tensor], layout: str) -> dict:
 
 # ------------------------------------------------------------------------------------------ SGLang's decode
 
-def _causal(scores):
-    S, T = scores.shape[-2], scores.shape[-1]
-    mask = torch.ones(S, T, dtype=torch.bool).tril(diagonal=T - S)
-    return scores.masked_fill(~mask, float("-inf"))
-
-
 def sglang_attention_llama(sa, x, pos, cache):
     q, k, v = F.linear(x, sa.qkv_proj.weight).split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
     q, k = sa.rotary_emb.forward_native(pos, q, k)
-    cache["k"] = torch.cat([cache.get("k", k[:0]), k])
-    cache["v"] = torch.cat([cache.get("v", v[:0]), v])
-    S, T, d = q.shape[0], cache["k"].shape[0], sa.head_dim
-    qh = q.view(S, sa.num_heads, d).transpose(0, 1)
-    rep = sa.num_heads // sa.num_kv_heads
-    kh = cache["k"].view(T, sa.num_kv_heads, d).transpose(0, 1).repeat_interleave(rep, 0)
-    vh = cache["v"].view(T, sa.num_kv_heads, d).transpose(0, 1).repeat_interleave(rep, 0)
-    o = torch.softmax(_causal(qh @ kh.transpose(1, 2) * sa.scaling), -1) @ vh
-    return F.linear(o.transpose(0, 1).reshape(S, -1), sa.o_proj.weight)
+    o = gqa_attention(q, k, v, cache, sa.num_heads, sa.num_kv_heads, sa.head_dim, sa.scaling)
+    return F.linear(o, sa.o_proj.weight)
 
 
 def sglang_attention_mla(sa, x, pos, cache):
@@ -168,7 +145,7 @@ def sglang_attention_mla(sa, x, pos, cache):
     cache["pe"] = torch.cat([cache.get("pe", k_pe[:0, 0]), k_pe[:, 0]])
     q_lat = torch.bmm(q_nope.transpose(0, 1), sa.w_kc)                           # [h, S, Lkv]
     scores = (q_lat @ cache["c"].T + q_pe.transpose(0, 1) @ cache["pe"].T) * sa.scaling
-    o_lat = torch.softmax(_causal(scores), -1) @ cache["c"]                   # [h, S, Lkv]
+    o_lat = torch.softmax(causal(scores), -1) @ cache["c"]                   # [h, S, Lkv]
     o = torch.bmm(o_lat, sa.w_vc)                                                 # [h, S, dv]
     return F.linear(o.transpose(0, 1).reshape(S, -1), sa.o_proj.weight)
 
@@ -197,18 +174,7 @@ def sglang_step(model, layout, emb, h, tok, pos, cache, draft_vocab):
 
 
 def check_decode(model, layout, export_dir: str) -> dict:
-    from eagle3.model import Eagle3Drafter
-    from eagle3.model.checkpoint import export_drafter_config, load_export
-    config, tensors, prov = load_export(export_dir)
-    dcfg = export_drafter_config(config, prov)
-    ours = Eagle3Drafter(dcfg).float()
-    ours.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, strict=False)
-    g = torch.Generator().manual_seed(0)
-    emb = torch.randn(dcfg.vocab_size, dcfg.hidden_size, generator=g)
-    ours.load_target_embedding(emb)
-    aux = torch.randn(PREFIX, dcfg.num_aux_layers * dcfg.target_hidden_size, generator=g) * torch.tensor(
-        [1.0, 8.0, 40.0][:dcfg.num_aux_layers]).repeat_interleave(dcfg.target_hidden_size)
-    ids = torch.randint(0, dcfg.vocab_size, (PREFIX + 1,), generator=g)
+    dcfg, ours, emb, aux, ids = reference_drafter(export_dir)
     hot = model.hot_token_id
     cache: dict = {}
     worst, drafts_s, drafts_o = 0.0, [], []
@@ -256,16 +222,7 @@ def check(export_dir: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("exports", nargs="+")
-    a = ap.parse_args(argv)
-    ok = True
-    for e in a.exports:
-        try:
-            r = check(os.path.abspath(e))
-        except Exception as ex:  # report and go on to the next export
-            r = {"export": e, "ok": False, "error": f"{type(ex).__name__}: {ex}"}
-        ok &= r["ok"]
-        print(json.dumps(r), flush=True)
-    return 0 if ok else 1
+    return run(ap.parse_args(argv).exports, check)
 
 
 if __name__ == "__main__":

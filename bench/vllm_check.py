@@ -37,7 +37,6 @@ import logging
 import os
 import sys
 import tempfile
-import traceback
 
 # before vLLM is imported: its log on stderr (stdout is the JSON lines), one OpenMP thread unbound (a tiny check on a
 # machine others share), a small CPU KV-cache budget (the engine config asks; nothing is allocated)
@@ -46,10 +45,8 @@ for _k, _v in (("VLLM_LOGGING_STREAM", "ext://sys.stderr"), ("VLLM_LOGGING_LEVEL
     os.environ.setdefault(_k, _v)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
-STEPS = 4      # draft steps after the prefix
-PREFIX = 9     # prefix positions (step 0 "extend")
+from engine_check import PREFIX, STEPS, causal, compare_parameters, gqa_attention, reference_drafter, run  # noqa: E402
 MAX_MODEL_LEN = 256  # the engine's; the far decode ends just below it
 
 
@@ -182,16 +179,7 @@ def check_load(model, params: dict[str, torch.Tensor], tensors: dict[str, torch.
     into W_UK_T / W_UV (process_weights_after_loading) from the exported kv_b_proj."""
     expect = expected_params(tensors, layout)
     problems = [m for lvl, m in log if lvl >= logging.WARNING and ("weight" in m.lower() or "skip" in m.lower())]
-    for name, (value, parts) in expect.items():
-        p = params.get(name)
-        if p is None:
-            problems.append(f"{parts} -> {name}: no such vLLM parameter (vLLM dropped the tensor)")
-            continue
-        got = p.detach()[: value.shape[0]]  # vocab rows may be padded
-        if got.shape != value.shape or not torch.equal(got, value.to(got.dtype)):
-            problems.append(f"{parts} -> {name}: values differ after load_weights")
-    unwritten = [n for n in params if n not in expect and "embed_tokens" not in n]
-    problems += [f"vLLM parameter {n} has no exported tensor" for n in unwritten]
+    problems += compare_parameters(params, expect, "vLLM")
     if layout == "mla":
         sa = model.model.layers[0].self_attn
         impl = sa.mla_attn.mla_attn
@@ -209,26 +197,13 @@ def check_load(model, params: dict[str, torch.Tensor], tensors: dict[str, torch.
 
 # ------------------------------------------------------------------------------------------ vLLM's decode
 
-def _causal(scores):
-    S, T = scores.shape[-2], scores.shape[-1]
-    mask = torch.ones(S, T, dtype=torch.bool).tril(diagonal=T - S)
-    return scores.masked_fill(~mask, float("-inf"))
-
-
 def vllm_attention_llama(sa, x, pos, cache):
     """LlamaAttention.forward with vLLM's own modules (qkv_proj / o_proj through its CPU linear, its rotary
     embedding); the attention itself written out (vLLM's Attention layer needs an engine's KV cache)."""
     q, k, v = sa.qkv_proj(x)[0].split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
     q, k = sa.rotary_emb(pos, q.contiguous(), k.contiguous())
-    cache["k"] = torch.cat([cache.get("k", k[:0]), k])
-    cache["v"] = torch.cat([cache.get("v", v[:0]), v])
-    S, T, d = q.shape[0], cache["k"].shape[0], sa.head_dim
-    qh = q.reshape(S, sa.num_heads, d).transpose(0, 1)
-    rep = sa.num_heads // sa.num_kv_heads
-    kh = cache["k"].view(T, sa.num_kv_heads, d).transpose(0, 1).repeat_interleave(rep, 0)
-    vh = cache["v"].view(T, sa.num_kv_heads, d).transpose(0, 1).repeat_interleave(rep, 0)
-    o = torch.softmax(_causal(qh @ kh.transpose(1, 2) * sa.scaling), -1) @ vh
-    return sa.o_proj(o.transpose(0, 1).reshape(S, -1).contiguous())[0]
+    o = gqa_attention(q, k, v, cache, sa.num_heads, sa.num_kv_heads, sa.head_dim, sa.scaling)
+    return sa.o_proj(o)[0]
 
 
 def vllm_attention_mla(sa, x, pos, cache):
@@ -248,7 +223,7 @@ def vllm_attention_mla(sa, x, pos, cache):
     cache["pe"] = torch.cat([cache.get("pe", k_pe.reshape(S, dr)[:0]), k_pe.reshape(S, dr)])
     q_lat = torch.bmm(q[..., :dn].transpose(0, 1), impl.W_UK_T)                     # [h, S, Lkv]
     scores = (q_lat @ cache["c"].T + q_pe.reshape(S, h, dr).transpose(0, 1) @ cache["pe"].T) * sa.scaling
-    o_lat = torch.softmax(_causal(scores), -1) @ cache["c"]                         # [h, S, Lkv]
+    o_lat = torch.softmax(causal(scores), -1) @ cache["c"]                         # [h, S, Lkv]
     o = torch.bmm(o_lat, impl.W_UV)                                                 # [h, S, dv]
     return sa.o_proj(o.transpose(0, 1).reshape(S, -1).contiguous())[0]
 
@@ -277,18 +252,7 @@ def vllm_step(model, layout, emb, h, tok, pos, cache):
 def check_decode(model, layout, export_dir: str, start: int = 0) -> dict:
     """Prefix at positions start .. start + PREFIX - 1, then STEPS chained draft steps (start > 0 puts the rotary
     embedding's low frequencies, where YaRN differs from plain RoPE, at angles that matter)."""
-    from eagle3.model import Eagle3Drafter
-    from eagle3.model.checkpoint import export_drafter_config, load_export
-    config, tensors, prov = load_export(export_dir)
-    dcfg = export_drafter_config(config, prov)
-    ours = Eagle3Drafter(dcfg).float()
-    ours.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, strict=False)
-    g = torch.Generator().manual_seed(0)
-    emb = torch.randn(dcfg.vocab_size, dcfg.hidden_size, generator=g)
-    ours.load_target_embedding(emb)
-    aux = torch.randn(PREFIX, dcfg.num_aux_layers * dcfg.target_hidden_size, generator=g) * torch.tensor(
-        [1.0, 8.0, 40.0][:dcfg.num_aux_layers]).repeat_interleave(dcfg.target_hidden_size)
-    ids = torch.randint(0, dcfg.vocab_size, (PREFIX + 1,), generator=g)
+    dcfg, ours, emb, aux, ids = reference_drafter(export_dir)
     cache: dict = {}
     worst, drafts_v, drafts_o = 0.0, [], []
     with torch.no_grad():
@@ -417,17 +381,8 @@ def main(argv=None) -> int:
     if not a.exports:
         ap.error("no export directory given")
     torch.set_default_dtype(torch.float32)
-    ok = True
     with tempfile.TemporaryDirectory(prefix="vllm_check_") as work:
-        for e in a.exports:
-            try:
-                r = check(os.path.abspath(e), work)
-            except Exception as ex:  # report and go on to the next export
-                traceback.print_exc()
-                r = {"export": e, "ok": False, "error": f"{type(ex).__name__}: {ex}"}
-            ok &= r["ok"]
-            print(json.dumps(r), flush=True)
-    return 0 if ok else 1
+        return run(a.exports, lambda e: check(e, work))
 
 
 if __name__ == "__main__":
