@@ -87,7 +87,8 @@ def test_calibration_takes_the_median_run_at_every_length(monkeypatch):
     assert calls == ["greedy", 1, 2] * 3                                                  # interleaved
     pieces1, pieces2 = CL.pieces_seconds(COSTS, 1, [1 / 3, 2 / 3]), CL.pieces_seconds(COSTS, 2, [0.25, 0.25, 0.5])
     assert costs["greedy_step"] == 10.0 and costs["greedy"] == pytest.approx(62.0 / 6)  # runs: 10, 15, 10.33
-    assert costs["round_overhead"] == pytest.approx([33.0 / 3 - pieces1, 84.0 / 4 - pieces2])  # runs: 10/23.3/11, 20/50/21
+    # runs: 10, 23.3, 11 s a round at 1 and 20, 50, 21 at 2
+    assert costs["round_overhead"] == pytest.approx([33.0 / 3 - pieces1, 84.0 / 4 - pieces2])
     assert [r["chains"][1]["round_overhead_s"] for r in costs["calibration"]["runs"]] == pytest.approx(
         [80.0 / 4 - pieces2, 200.0 / 4 - pieces2, 84.0 / 4 - pieces2])
     # the prediction at each length adds that length's overhead
