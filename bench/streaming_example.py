@@ -96,12 +96,22 @@ def main() -> None:
             g.writelines(rows[a.samples:a.samples + a.eval_prompts])
         if not rows[a.samples:]:
             raise SystemExit(f"{data}: no records after the first {a.samples} to evaluate on")
+        if len(rows) < a.samples + a.eval_prompts:  # the rows record how many were decoded (eval_prompts)
+            print(f"[streaming_example] {data}: only {len(rows) - a.samples} records after the first {a.samples}, "
+                  f"so {len(rows) - a.samples} of the {a.eval_prompts} evaluation prompts asked for (read more "
+                  "records: --regen-read)", file=sys.stderr, flush=True)
     from eagle3.dump.example import example_target_dir
     target = example_target_dir()
     dump_args = ["--target", target, "--data", data, "--num-samples", str(a.samples), "--max-length",
                  str(a.max_length), "--shard-size-mb", str(a.shard_size_mb), "--no-progress"]
     train_args = ["--target", target, "--config", "example", "--epochs", "1", "--token-budget", str(a.token_budget),
                   "--eval-interval", "100000", "--save-interval", "100000", "--no-progress", "--num-workers", "1"]
+    import torch
+    from eagle3.cpu import cpu_prefers_bf16
+    if not torch.cuda.is_available() and not cpu_prefers_bf16():
+        # a CPU without bf16 instructions (an AMD EPYC here) runs bf16 training many times slower than fp32: the
+        # quickstart's rule (cli/quickstart.py)
+        train_args.append("--no-bf16")
     for mode in a.modes.split(","):
         root = os.path.join(a.out, mode)
         shutil.rmtree(root, ignore_errors=True)
@@ -138,7 +148,8 @@ def main() -> None:
                                      os.path.join(root, "eval")], env=env, check=True)
             ev = json.load(open(os.path.join(root, "eval", "eval.json")))
             decoded = {"eval_accept_len": ev.get("acceptance_length"), "eval_lossless": ev.get("lossless"),
-                       "eval_speedup": ev.get("speedup"), "eval_draft_steps": a.eval_steps}
+                       "eval_speedup": ev.get("speedup"), "eval_draft_steps": a.eval_steps,
+                       "eval_prompts": ev.get("prompts")}
         wall = time.perf_counter() - t0 + t_regen
         hw.stop()
         row = {"mode": mode, "wall_s": round(wall, 1), "regenerate_s": round(t_regen, 1) if a.regenerate else None,
