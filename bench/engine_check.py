@@ -1,7 +1,7 @@
 """What bench/sglang_check.py and bench/vllm_check.py share: an export checked against a serving engine's own drafter
 classes, each in that engine's environment (so only torch and eagle3 here, nothing of either engine).
 
-- `compare_parameters`: every parameter the engine's loader wrote against the value it must hold;
+- `Expected` / `compare_parameters`: every parameter the engine's loader wrote against the value it must hold;
 - `causal` and `gqa_attention`: the attention written out over a plain list cache (an engine's attention layer needs
   its server's paged KV cache);
 - `reference_drafter`: eagle3's own drafter from the export and the random decode inputs both checks feed it;
@@ -35,6 +35,19 @@ def compare_parameters(params: dict[str, torch.Tensor], expect: dict[str, tuple[
             problems.append(f"{parts} -> {name}: values differ after load_weights")
     unwritten = [n for n in params if n not in expect and "embed_tokens" not in n]
     return problems + [f"{engine} parameter {n} has no exported tensor" for n in unwritten]
+
+
+class Expected(dict):
+    """{engine parameter: (the value it must hold, the export tensors it is made of)}, built tensor by tensor as an
+    engine's loader fuses them: `put(name, parts)` concatenates the parts (q/k/v, gate/up, ...) into one value."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        self.tensors, self.used = tensors, set()
+
+    def put(self, name: str, parts: list[str]) -> None:
+        self[name] = (torch.cat([self.tensors[p] for p in parts]), parts)
+        self.used.update(parts)
 
 
 def causal(scores: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from engine_check import PREFIX, STEPS, causal, compare_parameters, gqa_attention, reference_drafter, run
+from engine_check import PREFIX, STEPS, Expected, causal, compare_parameters, gqa_attention, reference_drafter, run
 
 
 class _Warnings(logging.Handler):
@@ -76,12 +76,8 @@ def build_sglang(path: str):
 def expected_params(tensors: dict[str, torch.Tensor], layout: str) -> dict[str, tuple[torch.Tensor, list[str]]]:
     """{SGLang parameter name: (the value it must hold, the export tensors it is made of)}: SGLang's own fusings."""
     layer = "model.layers.0." if layout == "llama" else "model.midlayer."
-    out = {}
-    used = set()
-
-    def put(name, parts):
-        out[name] = (torch.cat([tensors[p] for p in parts]), parts)
-        used.update(parts)
+    out = Expected(tensors)
+    put, used = out.put, out.used
     for k in tensors:
         if k in ("d2t", "t2d") or k in used:
             continue

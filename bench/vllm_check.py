@@ -46,7 +46,8 @@ for _k, _v in (("VLLM_LOGGING_STREAM", "ext://sys.stderr"), ("VLLM_LOGGING_LEVEL
 
 import torch  # noqa: E402
 
-from engine_check import PREFIX, STEPS, causal, compare_parameters, gqa_attention, reference_drafter, run  # noqa: E402
+from engine_check import (PREFIX, STEPS, Expected, causal, compare_parameters, gqa_attention,  # noqa: E402
+                          reference_drafter, run)
 MAX_MODEL_LEN = 256  # the engine's; the far decode ends just below it
 
 
@@ -146,12 +147,8 @@ def expected_params(tensors: dict[str, torch.Tensor], layout: str) -> dict[str, 
     """{vLLM parameter name: (the value it must hold, the export tensors it is made of)}: vLLM's own fusings
     (hf_to_vllm_mapper of llama_eagle3.py / deepseek_eagle3.py: midlayer. -> layers.0., stacked q/k/v, gate/up,
     q_a/kv_a) and Eagle3*ForCausalLM.load_weights (d2t -> draft_id_to_target_id, t2d skipped, model. prefix)."""
-    out = {}
-    used = set()
-
-    def put(name, parts):
-        out[name] = (torch.cat([tensors[p] for p in parts]), parts)
-        used.update(parts)
+    out = Expected(tensors)
+    put, used = out.put, out.used
     for k in tensors:
         if k == "t2d" or k in used:
             continue
