@@ -8,8 +8,8 @@ the same forwards to 67 vs 50 ms. The baseline and the speculative decoder share
 speedup `eagle3 eval` reports still compares like with like. One-row calls (target-only greedy, the drafter's
 steps) run whichever of the plain and the packed matmul is faster on this machine, timed per weight shape: a Xeon
 with AMX ran them faster plain, and target-only greedy should be the fastest it can be here. The target's one-row
-path is then settled by timing its whole one-token step (`choose_one_row_path`): the per-shape timings alone picked
-a slower forward.
+path is then settled by timing its whole one-token step (`choose_one_row_path`): the per-shape timings alone
+changed from process to process, and in one they picked a forward slower than all packed.
 
 Inference only (no autograd), float32 only (bf16 packing needs CPU bf16 instructions these machines may lack),
 CPU only. The module keeps its `weight` (tied embeddings, get_output_embeddings and state_dict are unchanged);
