@@ -82,6 +82,23 @@ def _median_times(pieces: dict, sync, repeats: int) -> dict:
 
 
 @torch.no_grad()
+def greedy_step_after(target, prompt: list[int], dev: torch.device):
+    """(step, tok): the target's prompt in a fresh cache, and a callable taking the baseline's one-token step after
+    it as SpeculativeDecoder.greedy does (no capture hooks; the host reads its token), its cache cropped back after
+    each call so that every call sees the same context; tok is the prompt's greedy next token."""
+    cache = DynamicCache(config=target.config)
+    logits = target(input_ids=torch.tensor([prompt], device=dev), cache=cache, use_cache=True).logits
+    tok = int(logits[0, -1].argmax())
+    one = torch.tensor([[tok]], device=dev)
+
+    def step():
+        out = target(input_ids=one, cache=cache, use_cache=True).logits
+        int(out[0, -1].argmax())
+        cache.crop(-1)
+    return step, tok
+
+
+@torch.no_grad()
 def measure_costs(dec, prompt: list[int], max_steps: int, repeats: int = 7) -> dict:
     """Seconds per piece of a round, medians of `repeats` interleaved timings after the prompt is in both caches
     (dec: a SpeculativeDecoder; the calls are generate's own). Returns {"greedy", "head", "step", "verify": [1..K+1
@@ -90,17 +107,9 @@ def measure_costs(dec, prompt: list[int], max_steps: int, repeats: int = 7) -> d
     sync = _timer(dev)
     ids = torch.tensor([prompt], device=dev)
     P = len(prompt)
-    # the baseline's step, as SpeculativeDecoder.greedy takes it (no capture hooks)
-    cache = DynamicCache(config=target.config)
-    logits = target(input_ids=ids, cache=cache, use_cache=True).logits
-    tok = int(logits[0, -1].argmax())
+    greedy_step, tok = greedy_step_after(target, prompt, dev)
     sync()
     one = torch.tensor([[tok]], device=dev)
-
-    def greedy_step():
-        out = target(input_ids=one, cache=cache, use_cache=True).logits
-        int(out[0, -1].argmax())
-        cache.crop(-1)
     costs: dict = {"prompt_tokens": P}
     with HiddenStateCapture(dec.backbone, dec.indices) as cap:
         sync()

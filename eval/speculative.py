@@ -245,21 +245,6 @@ class EvalConfig:
     progress: bool = True  # no flag
 
 
-def _one_token_step(target, prompt: list[int], dev: torch.device):
-    """A callable running the target's one-token forward after `prompt`, as target-only greedy decoding does (its
-    cache cropped back after each call, so every call sees the same context)."""
-    from transformers import DynamicCache
-    cache = DynamicCache(config=target.config)
-    with torch.no_grad():
-        target(input_ids=torch.tensor([prompt], device=dev), cache=cache, use_cache=True)
-    one = torch.tensor([[prompt[-1]]], device=dev)
-
-    def step():
-        target(input_ids=one, cache=cache, use_cache=True)
-        cache.crop(-1)
-    return step
-
-
 def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: int | str = EvalConfig.draft_steps,
              max_new_tokens: int = EvalConfig.max_new_tokens, num_prompts: int | None = EvalConfig.num_prompts,
              out: str | None = EvalConfig.out, dtype: str = EvalConfig.dtype, device: str | None = EvalConfig.device,
@@ -310,7 +295,7 @@ def evaluate(target_dir: str, export_dir: str, prompts_file: str, draft_steps: i
     if prepack and dev.type == "cpu" and tdtype == torch.float32:
         packed = prepack_linears(target, rows_hint=draft_steps + 1) + prepack_linears(drafter, rows_hint=1)
         # the baseline's step decides the target's one-row path: greedy must run as fast as it can here
-        one_row = choose_one_row_path(target, _one_token_step(target, prompts[0], dev))
+        one_row = choose_one_row_path(target, CL.greedy_step_after(target, prompts[0], dev)[0])
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     gen_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
