@@ -1,7 +1,8 @@
 """What bench/sglang_check.py and bench/vllm_check.py share: an export checked against a serving engine's own drafter
 classes, each in that engine's environment (so only torch and eagle3 here, nothing of either engine).
 
-- `Expected` / `compare_parameters`: every parameter the engine's loader wrote against the value it must hold;
+- `export_tensors`, `Expected` / `compare_parameters`: every parameter the engine's loader wrote against the value it
+  must hold; `options_read`: the options the engine built;
 - `causal` and `gqa_attention`: the attention written out over a plain list cache (an engine's attention layer needs
   its server's paged KV cache);
 - `reference_drafter`: eagle3's own drafter from the export and the random decode inputs both checks feed it;
@@ -48,6 +49,23 @@ class Expected(dict):
     def put(self, name: str, parts: list[str]) -> None:
         self[name] = (torch.cat([self.tensors[p] for p in parts]), parts)
         self.used.update(parts)
+
+
+def export_tensors(export_dir: str) -> dict[str, torch.Tensor]:
+    """The export's model.safetensors, floats in fp32 (the checks run fp32)."""
+    from safetensors.torch import load_file
+    return {k: (v.float() if v.is_floating_point() else v) for k, v in
+            load_file(os.path.join(export_dir, "model.safetensors")).items()}
+
+
+def options_read(model, recorded: list[str], engine: str) -> tuple[list[str], list[str]]:
+    """(the EAGLE-3.1 options the engine's built drafter module `model` (its inner .model) has, problems): both
+    engines build fc_norm / input_norm modules and a norm_output flag only when they read the option."""
+    read = [o for o, on in (("fc_norm", getattr(model, "fc_norm", None) is not None),
+                            ("norm_before_fc", getattr(model, "input_norm", None) is not None),
+                            ("norm_output", bool(model.norm_output))) if on]
+    return read, ([] if sorted(read) == sorted(recorded) else
+                  [f"{engine} read options {read}, the export records {recorded}"])
 
 
 def causal(scores: torch.Tensor) -> torch.Tensor:

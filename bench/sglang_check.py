@@ -28,7 +28,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from engine_check import PREFIX, STEPS, Expected, causal, compare_parameters, gqa_attention, reference_drafter, run
+from engine_check import (PREFIX, STEPS, Expected, causal, compare_parameters, export_tensors, gqa_attention,
+                          options_read, reference_drafter, run)
 
 
 class _Warnings(logging.Handler):
@@ -193,23 +194,16 @@ def check_decode(model, layout, export_dir: str) -> dict:
 
 
 def check(export_dir: str) -> dict:
-    from safetensors.torch import load_file
     prov = json.load(open(os.path.join(export_dir, "eagle3_provenance.json")))
     model, arch = build_sglang(export_dir)
     from eagle3.model.checkpoint import ARCHITECTURES
     layout = ARCHITECTURES[arch]
-    tensors = {k: (v.float() if v.is_floating_point() else v) for k, v in
-               load_file(os.path.join(export_dir, "model.safetensors")).items()}
+    tensors = export_tensors(export_dir)
     res = {"export": export_dir, "sglang_class": arch, "type": type(model).__name__,
            "options_recorded": prov.get("options", [])}
     res.update(check_load(model, tensors, layout))
-    M = model.model
-    read = [o for o, on in (("fc_norm", getattr(M, "fc_norm", None) is not None),
-                            ("norm_before_fc", getattr(M, "input_norm", None) is not None),
-                            ("norm_output", bool(M.norm_output))) if on]
-    res["options_sglang_read"] = read
-    if sorted(read) != sorted(res["options_recorded"]):
-        res["problems"].append(f"SGLang read options {read}, the export records {res['options_recorded']}")
+    res["options_sglang_read"], problems = options_read(model.model, res["options_recorded"], "SGLang")
+    res["problems"] += problems
     res.update(check_decode(model, layout, export_dir))
     res["ok"] = not res["problems"] and res["decode_ok"]
     return res

@@ -46,8 +46,8 @@ for _k, _v in (("VLLM_LOGGING_STREAM", "ext://sys.stderr"), ("VLLM_LOGGING_LEVEL
 
 import torch  # noqa: E402
 
-from engine_check import (PREFIX, STEPS, Expected, causal, compare_parameters, gqa_attention,  # noqa: E402
-                          reference_drafter, run)
+from engine_check import (PREFIX, STEPS, Expected, causal, compare_parameters, export_tensors,  # noqa: E402
+                          gqa_attention, options_read, reference_drafter, run)
 MAX_MODEL_LEN = 256  # the engine's; the far decode ends just below it
 
 
@@ -280,25 +280,19 @@ def aux_layers_vllm(vc) -> list[int] | None:
 
 
 def check(export_dir: str, workdir: str) -> dict:
-    from safetensors.torch import load_file
     prov = json.load(open(os.path.join(export_dir, "eagle3_provenance.json")))
     cfg = json.load(open(os.path.join(export_dir, "config.json")))
     target = stand_in_target(prov, cfg, os.path.join(workdir, "target-" + os.path.basename(export_dir)))
     vc, model, loaded, log = build_vllm(export_dir, target)
     layout = "mla" if "Deepseek" in type(model).__name__ else "llama"
-    tensors = {k: (v.float() if v.is_floating_point() else v) for k, v in
-               load_file(os.path.join(export_dir, "model.safetensors")).items()}
+    tensors = export_tensors(export_dir)
     res = {"export": export_dir, "vllm_architecture": vc.speculative_config.draft_model_config.architectures,
            "type": type(model).__name__, "method": vc.speculative_config.method,
            "options_recorded": prov.get("options", [])}
     res.update(check_load(model, loaded, tensors, layout, log))
     M = model.model
-    read = [o for o, on in (("fc_norm", getattr(M, "fc_norm", None) is not None),
-                            ("norm_before_fc", getattr(M, "input_norm", None) is not None),
-                            ("norm_output", bool(M.norm_output))) if on]
-    res["options_vllm_read"] = read
-    if sorted(read) != sorted(res["options_recorded"]):
-        res["problems"].append(f"vLLM read options {read}, the export records {res['options_recorded']}")
+    res["options_vllm_read"], problems = options_read(M, res["options_recorded"], "vLLM")
+    res["problems"] += problems
     # vLLM's norm_before_residual key (absent: False) would make the residual hidden_norm(h); eagle3's is h as received
     if M.layers[0]._residual_norm.__func__.__name__ != "_norm_after_residual":
         res["problems"].append("vLLM reads norm_before_residual: its residual is hidden_norm(h), eagle3's is h")
